@@ -1,0 +1,95 @@
+"""Pure-PyTorch reference implementation of the low-memory kernels.
+
+Every backend (this one, the C++ and the CUDA extension) implements the same four
+functions with the same contract, so the autograd functions in
+:mod:`lightning_lowmem.ops` never know which one runs:
+
+- ``act_forward(x, kind, thresholds) -> (y, packed)``: ``y`` is the stock activation
+  (``kind`` is ``"gelu"``, ``"gelu_tanh"`` or ``"silu"``), ``packed`` the uint8 buffer of
+  ``ceil(numel/4)`` bytes holding ``code = sum(x > t_i)`` for every element in row-major
+  order, 2 bits each, element ``i`` in bits ``2*(i%4)`` of byte ``i//4``. Thresholds are
+  compared in fp32 (fp64 for fp64 input).
+- ``act_backward(grad, packed, levels) -> grad_input``: ``grad * levels[code]``, computed in
+  fp32 (fp64 for fp64 grads) and returned in ``grad``'s dtype and shape.
+- ``norm_forward(x, dim, eps, center, out_dtype) -> (z, rstd)``: ``x`` is contiguous and
+  normalized over its trailing ``dim`` elements; ``z`` (shape of ``x``, ``out_dtype``) is the
+  affine-free output and ``rstd`` (one per row, fp32, fp64 for fp64 input) the reciprocal
+  standard deviation. ``center`` selects LayerNorm (True) or RMSNorm (False).
+- ``norm_backward(grad, z, rstd, dim, center, dtype) -> grad_input``: the paper's
+  algorithms 2-3 from the saved output and rstd only, returned in ``dtype``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+_SHIFTS = (0, 2, 4, 6)
+
+
+def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp64 stays fp64; every other float type computes in fp32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def stock_activation(x: torch.Tensor, kind: str) -> torch.Tensor:
+    if kind == "silu":
+        return F.silu(x)
+    return F.gelu(x, approximate="tanh" if kind == "gelu_tanh" else "none")
+
+
+def pack_codes(codes: torch.Tensor) -> torch.Tensor:
+    """Pack a flat uint8 tensor of 2-bit codes, 4 per byte (the last byte zero-padded)."""
+    pad = (-codes.numel()) % 4
+    if pad:
+        codes = F.pad(codes, (0, pad))
+    quads = codes.view(-1, 4)
+    packed = quads[:, 0].clone()
+    for column, shift in enumerate(_SHIFTS[1:], start=1):
+        packed |= quads[:, column] << shift
+    return packed
+
+
+def unpack_codes(packed: torch.Tensor, numel: int) -> torch.Tensor:
+    """Inverse of :func:`pack_codes`: a flat int64 tensor of ``numel`` codes."""
+    shifts = torch.tensor(_SHIFTS, dtype=torch.uint8, device=packed.device)
+    codes = (packed.unsqueeze(1) >> shifts) & 3
+    return codes.view(-1)[:numel].long()
+
+
+def act_forward(x: torch.Tensor, kind: str, thresholds: tuple[float, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    xa = x.reshape(-1).to(accumulate_dtype(x.dtype))
+    codes = torch.zeros(xa.shape, dtype=torch.uint8, device=x.device)
+    for threshold in thresholds:
+        codes += xa > threshold
+    return stock_activation(x, kind), pack_codes(codes)
+
+
+def act_backward(grad: torch.Tensor, packed: torch.Tensor, levels: tuple[float, ...]) -> torch.Tensor:
+    acc = accumulate_dtype(grad.dtype)
+    table = torch.tensor(levels, dtype=acc, device=grad.device)
+    derivative = table[unpack_codes(packed, grad.numel())].view(grad.shape)
+    return (grad.to(acc) * derivative).to(grad.dtype)
+
+
+def norm_forward(
+    x: torch.Tensor, dim: int, eps: float, center: bool, out_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    xa = x.view(-1, dim).to(accumulate_dtype(x.dtype))
+    if center:
+        xa = xa - xa.mean(-1, keepdim=True)
+    rstd = torch.rsqrt(xa.square().mean(-1, keepdim=True) + eps)
+    z = (xa * rstd).to(out_dtype).view(x.shape)
+    return z, rstd.view(-1)
+
+
+def norm_backward(
+    grad: torch.Tensor, z: torch.Tensor, rstd: torch.Tensor, dim: int, center: bool, dtype: torch.dtype
+) -> torch.Tensor:
+    g = grad.reshape(-1, dim).to(rstd.dtype)
+    za = z.view(-1, dim).to(rstd.dtype)
+    projection = (g * za).mean(-1, keepdim=True)
+    if center:
+        g = g - g.mean(-1, keepdim=True)
+    grad_input = rstd.unsqueeze(-1) * (g - za * projection)
+    return grad_input.to(dtype).view(z.shape)

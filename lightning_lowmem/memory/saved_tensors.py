@@ -1,0 +1,156 @@
+"""Measure activation memory: the bytes autograd keeps alive for backward.
+
+Every tensor saved for backward passes through ``torch.autograd.graph.saved_tensors_hooks``.
+The meter counts each *storage* once (a tensor shared by two ops, e.g. an MS norm's
+output and the next linear's input, is one storage), skips parameters and buffers, and
+tracks how many bytes the graph holds at any moment, so it reports both the total saved by
+a forward and the peak held.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+MIB = float(1 << 20)
+
+
+@dataclass(frozen=True)
+class SavedStorage:
+    """One storage that became held by the autograd graph."""
+
+    module: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    nbytes: int
+
+
+class _Held:
+    """What the graph holds instead of the tensor; releases the meter's count when freed."""
+
+    __slots__ = ("tensor", "key", "meter")
+
+    def __init__(self, tensor: torch.Tensor, key: tuple, meter: SavedTensorMeter) -> None:
+        self.tensor, self.key, self.meter = tensor, key, meter
+
+    def __del__(self) -> None:
+        self.meter._release(self.key)
+
+
+def _storage_key(t: torch.Tensor) -> tuple:
+    return (t.device, t.untyped_storage().data_ptr())
+
+
+class SavedTensorMeter:
+    """Context manager counting unique storages saved for backward.
+
+    Args:
+        model: parameters and buffers of this model are excluded (every ``nn.Parameter`` and
+            views of one are always excluded); its submodules are used for the per-module
+            breakdown, attributing a saved storage to the innermost module running when it
+            was first saved.
+
+    Example::
+
+        with SavedTensorMeter(model) as meter:
+            loss = model(x).sum()
+        print(meter.total_bytes, meter.table())
+        loss.backward()  # peak_bytes stays valid; live_bytes drops to 0
+    """
+
+    def __init__(self, model: nn.Module | None = None) -> None:
+        self.model = model
+        self.records: list[SavedStorage] = []
+        self.total_bytes = 0
+        self.live_bytes = 0
+        self.peak_bytes = 0
+        self._refs: dict[tuple, int] = {}
+        self._sizes: dict[tuple, int] = {}
+        self._excluded: set[tuple] = set()
+        self._module_stack: list[str] = []
+        self._module_hooks: list = []
+        self._graph_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    # -- context ---------------------------------------------------------------------------
+    def __enter__(self) -> SavedTensorMeter:
+        if self.model is not None:
+            tensors = [*self.model.parameters(), *self.model.buffers()]
+            self._excluded = {_storage_key(t) for t in tensors}
+            for name, module in self.model.named_modules():
+                self._module_hooks.append(module.register_forward_pre_hook(self._enter_module(name)))
+                self._module_hooks.append(module.register_forward_hook(self._leave_module, always_call=True))
+        self._graph_hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._graph_hooks.__exit__(*exc)
+        for handle in self._module_hooks:
+            handle.remove()
+        self._module_hooks.clear()
+        self._module_stack.clear()
+
+    def _enter_module(self, name: str):
+        def hook(module, args):
+            self._module_stack.append(name or "<root>")
+
+        return hook
+
+    def _leave_module(self, module, args, output):
+        if self._module_stack:
+            self._module_stack.pop()
+
+    # -- autograd hooks --------------------------------------------------------------------
+    def _is_parameter(self, t: torch.Tensor) -> bool:
+        return (
+            isinstance(t, nn.Parameter)
+            or isinstance(t._base, nn.Parameter)
+            or _storage_key(t) in self._excluded
+        )
+
+    def _pack(self, t: torch.Tensor):
+        if self._is_parameter(t):
+            return t
+        key = _storage_key(t)
+        if self._refs.get(key, 0) == 0:
+            nbytes = t.untyped_storage().nbytes()
+            self._sizes[key] = nbytes
+            self.live_bytes += nbytes
+            self.total_bytes += nbytes
+            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+            module = self._module_stack[-1] if self._module_stack else "<outside>"
+            self.records.append(SavedStorage(module, tuple(t.shape), t.dtype, nbytes))
+        self._refs[key] = self._refs.get(key, 0) + 1
+        return _Held(t.detach(), key, self)
+
+    @staticmethod
+    def _unpack(held):
+        return held.tensor if isinstance(held, _Held) else held
+
+    def _release(self, key: tuple) -> None:
+        self._refs[key] -= 1
+        if self._refs[key] == 0:
+            del self._refs[key]
+            self.live_bytes -= self._sizes.pop(key)
+
+    # -- reports ---------------------------------------------------------------------------
+    @property
+    def by_module(self) -> dict[str, int]:
+        """Bytes first saved while each module (innermost, by qualified name) was running."""
+        totals: dict[str, int] = defaultdict(int)
+        for record in self.records:
+            totals[record.module] += record.nbytes
+        return dict(sorted(totals.items(), key=lambda item: -item[1]))
+
+    def table(self, top: int | None = 20) -> str:
+        """A plain-text breakdown: the modules holding the most activation memory."""
+        rows = list(self.by_module.items())[:top]
+        width = max([len("module"), *(len(name) for name, _ in rows)])
+        lines = [f"{'module':<{width}}  {'MiB':>10}  {'share':>6}"]
+        for name, nbytes in rows:
+            share = 100.0 * nbytes / self.total_bytes if self.total_bytes else 0.0
+            lines.append(f"{name:<{width}}  {nbytes / MIB:>10.3f}  {share:>5.1f}%")
+        lines.append(f"{'total':<{width}}  {self.total_bytes / MIB:>10.3f}  (peak held {self.peak_bytes / MIB:.3f} MiB)")
+        return "\n".join(lines)

@@ -1,0 +1,6 @@
+"""Modules over the low-memory ops."""
+
+from lightning_lowmem.nn.activation import ReGELU2, ReSiLU2
+from lightning_lowmem.nn.norm import MSLayerNorm, MSRMSNorm
+
+__all__ = ["MSLayerNorm", "MSRMSNorm", "ReGELU2", "ReSiLU2"]
