@@ -1,0 +1,59 @@
+"""Modules: same function as the stock module, from_module, readable repr, refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_lowmem.nn import MSLayerNorm, MSRMSNorm, ReGELU2, ReSiLU2
+
+
+@pytest.mark.parametrize("stock", [nn.GELU(), nn.GELU(approximate="tanh"), nn.SiLU(), nn.SiLU(inplace=True)])
+def test_activation_from_module_computes_the_stock_forward(stock):
+    ours = (ReSiLU2 if isinstance(stock, nn.SiLU) else ReGELU2).from_module(stock)
+    x = torch.randn(5, 7, requires_grad=True)
+    assert torch.equal(ours(x), stock(x.detach().clone()))
+
+
+@pytest.mark.parametrize(
+    "stock, cls",
+    [(nn.LayerNorm(12, eps=1e-6, elementwise_affine=False), MSLayerNorm), (nn.RMSNorm(12, eps=1e-6, elementwise_affine=False), MSRMSNorm)],
+)
+def test_norm_from_module_computes_the_stock_forward(stock, cls):
+    ours = cls.from_module(stock)
+    assert ours.eps == 1e-6 and ours.normalized_shape == (12,)
+    x = torch.randn(3, 4, 12, requires_grad=True)
+    torch.testing.assert_close(ours(x), stock(x))
+    assert list(ours.parameters()) == []
+
+
+def test_rms_norm_default_eps_follows_the_input_dtype():
+    stock = nn.RMSNorm(8, elementwise_affine=False)  # eps=None: finfo(dtype).eps
+    ours = MSRMSNorm.from_module(stock)
+    x = torch.randn(2, 8, dtype=torch.float64) * 1e-8
+    torch.testing.assert_close(ours(x), stock(x))
+
+
+@pytest.mark.parametrize("stock, cls", [(nn.LayerNorm(8), MSLayerNorm), (nn.RMSNorm(8), MSRMSNorm)])
+def test_from_module_refuses_to_drop_an_affine(stock, cls):
+    with pytest.raises(ValueError, match="affine parameters \\['weight'"):
+        cls.from_module(stock)
+
+
+@pytest.mark.parametrize("cls", [ReGELU2, ReSiLU2, MSLayerNorm, MSRMSNorm])
+def test_from_module_rejects_other_modules(cls):
+    with pytest.raises(TypeError, match=f"{cls.__name__}.from_module expects"):
+        cls.from_module(nn.ReLU())
+
+
+def test_extra_repr_is_readable():
+    assert repr(ReGELU2("tanh")) == "ReGELU2(approximate='tanh', backward=2-bit)"
+    assert repr(ReSiLU2()) == "ReSiLU2(backward=2-bit)"
+    assert repr(MSLayerNorm(768)) == "MSLayerNorm((768,), eps=1e-05, saves=output+rstd)"
+    assert repr(MSRMSNorm((4, 8), eps=None)) == "MSRMSNorm((4, 8), eps=None, saves=output+rstd)"
+
+
+def test_regelu2_rejects_unknown_approximation():
+    with pytest.raises(ValueError, match="approximate must be"):
+        ReGELU2("fast")

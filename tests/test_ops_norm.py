@@ -1,0 +1,148 @@
+"""MS-LayerNorm / MS-RMSNorm: stock-equivalent math, exactly (output, rstd) saved, real sharing."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lightning_lowmem.functional import ms_layer_norm, ms_rms_norm
+from lightning_lowmem.memory import SavedTensorMeter
+
+NORMS = {
+    "layer": (ms_layer_norm, lambda x, shape, eps: F.layer_norm(x, shape, eps=eps)),
+    "rms": (ms_rms_norm, lambda x, shape, eps: F.rms_norm(x, shape, eps=eps)),
+}
+CASES = [((3, 8), (8,)), ((2, 5, 16), (16,)), ((2, 3, 4, 6), (4, 6)), ((7, 33), (33,)), ((1, 1), (1,))]
+TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
+
+
+@pytest.mark.parametrize("kind", NORMS)
+@pytest.mark.parametrize("shape, normalized", CASES)
+def test_gradcheck_fp64(kind, shape, normalized):
+    ours, _ = NORMS[kind]
+    x = torch.randn(shape, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda t: ours(t, normalized, 1e-5), (x,))
+
+
+@pytest.mark.parametrize("kind", NORMS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape, normalized", CASES)
+def test_forward_and_backward_match_stock(kind, dtype, shape, normalized):
+    ours, stock = NORMS[kind]
+    x = (torch.randn(shape) * 3 + 1).to(dtype)
+    grad = torch.randn(shape).to(dtype)
+    xa = x.clone().requires_grad_()
+    xb = x.clone().requires_grad_()
+    ya, yb = ours(xa, normalized, 1e-5), stock(xb, normalized, 1e-5)
+    assert ya.dtype == yb.dtype == dtype
+    torch.testing.assert_close(ya, yb, **TOLERANCE[dtype])
+    ya.backward(grad)
+    yb.backward(grad)
+    torch.testing.assert_close(xa.grad, xb.grad, **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("kind", NORMS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("shape, normalized", CASES)
+def test_saves_exactly_its_output_and_rstd(kind, dtype, shape, normalized, recorder):
+    ours, _ = NORMS[kind]
+    x = torch.randn(shape, dtype=dtype, requires_grad=True)
+    with recorder() as rec:
+        y = ours(x, normalized, 1e-5)
+    output, rstd = rec.saved
+    assert output.untyped_storage().data_ptr() == y.untyped_storage().data_ptr()
+    rows = math.prod(shape) // math.prod(normalized)
+    assert rstd.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    assert rstd.numel() == rows
+    with SavedTensorMeter() as meter:
+        y = ours(x, normalized, 1e-5)
+    assert meter.total_bytes == y.numel() * y.element_size() + rows * rstd.element_size()
+
+
+@pytest.mark.parametrize("kind", NORMS)
+@pytest.mark.parametrize("autocast", [False, True])
+def test_storage_is_shared_with_the_following_linear(kind, autocast, recorder):
+    ours, _ = NORMS[kind]
+    linear = torch.nn.Linear(64, 32)
+    x = torch.randn(4, 10, 64, requires_grad=True)
+    with recorder() as rec, torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        z = ours(x, 64, 1e-5)
+        out = linear(z)
+    assert z.dtype == (torch.bfloat16 if autocast else torch.float32)
+    norm_output = rec.saved[0]
+    linear_inputs = [t for t in rec.saved[2:] if t.shape == (40, 64) or t.shape == (4, 10, 64)]
+    assert linear_inputs, "the linear saved no input"
+    assert {t.untyped_storage().data_ptr() for t in linear_inputs} == {norm_output.untyped_storage().data_ptr()}
+    out.float().sum().backward()
+    assert x.grad.dtype == torch.float32
+
+
+def test_meter_counts_the_shared_pair_once():
+    linear = torch.nn.Linear(64, 32)
+    x = torch.randn(4, 10, 64, requires_grad=True)
+    with SavedTensorMeter(linear) as meter:
+        linear(ms_layer_norm(x, 64))
+    assert meter.total_bytes == 40 * 64 * 4 + 40 * 4
+
+
+def test_output_dtype_is_input_dtype_without_autocast_and_autocast_dtype_with_it():
+    x = torch.randn(3, 8, requires_grad=True)
+    assert ms_rms_norm(x, 8).dtype == torch.float32
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert ms_rms_norm(x, 8).dtype == torch.bfloat16
+        assert ms_rms_norm(x.double(), 8).dtype == torch.float64
+    y = ms_layer_norm(x.bfloat16(), 8)
+    assert y.dtype == torch.bfloat16
+
+
+def test_non_contiguous_input():
+    base = torch.randn(16, 6, 5)
+    x = base.transpose(0, 1).detach().requires_grad_()  # (6, 16, 5): rows are strided
+    assert not x.is_contiguous()
+    xs = x.detach().clone().requires_grad_()
+    grad = torch.randn(6, 16, 5)
+    ms_layer_norm(x, 5).backward(grad)
+    F.layer_norm(xs, (5,)).backward(grad)
+    torch.testing.assert_close(x.grad, xs.grad, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", NORMS)
+def test_empty_input(kind):
+    ours, _ = NORMS[kind]
+    x = torch.randn(0, 4, 8, requires_grad=True)
+    y = ours(x, 8, 1e-5)
+    assert y.shape == (0, 4, 8)
+    y.sum().backward()
+    assert x.grad.shape == x.shape
+
+
+def test_no_grad_saves_nothing(recorder):
+    x = torch.randn(4, 8, requires_grad=True)
+    with recorder() as rec, torch.no_grad():
+        y = ms_layer_norm(x, 8)
+    assert rec.saved == []
+    torch.testing.assert_close(y, F.layer_norm(x.detach(), (8,)))
+
+
+@pytest.mark.parametrize("kind", NORMS)
+def test_bad_input_raises(kind):
+    ours, _ = NORMS[kind]
+    name = "ms_layer_norm" if kind == "layer" else "ms_rms_norm"
+    with pytest.raises(ValueError, match=f"{name}: normalized_shape \\[7\\] must match"):
+        ours(torch.randn(3, 8), 7, 1e-5)
+    with pytest.raises(ValueError, match="must match"):
+        ours(torch.randn(8), (2, 8), 1e-5)
+    with pytest.raises(ValueError, match="eps must be positive"):
+        ours(torch.randn(3, 8), 8, 0.0)
+    with pytest.raises(TypeError, match="unsupported dtype"):
+        ours(torch.ones(3, 8, dtype=torch.int64), 8, 1e-5)
+    x = torch.randn(3, 8, requires_grad=True)
+    with pytest.raises(RuntimeError, match=f"{name} does not support double backward"):
+        torch.autograd.grad(ours(x, 8, 1e-5).square().sum(), x, create_graph=True)
+    y = ours(x, 8, 1e-5).square().sum()
+    y.backward()
+    with pytest.raises(RuntimeError, match="second time"):
+        y.backward()
