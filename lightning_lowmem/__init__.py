@@ -6,7 +6,8 @@ Memory-Sharing Backpropagation" (ICML 2024).
 """
 
 from lightning_lowmem import functional, kernels, memory, nn
+from lightning_lowmem.lightning import LowMemPrecision, PeakMemoryMonitor
 
 __version__ = "0.1.0"
 
-__all__ = ["functional", "kernels", "memory", "nn"]
+__all__ = ["LowMemPrecision", "PeakMemoryMonitor", "functional", "kernels", "memory", "nn"]

@@ -1,0 +1,6 @@
+"""Lightning integration: callbacks and the precision plugin."""
+
+from lightning_lowmem.lightning.monitor import MemoryBudgetExceeded, PeakMemoryMonitor
+from lightning_lowmem.lightning.precision import LowMemPrecision
+
+__all__ = ["LowMemPrecision", "MemoryBudgetExceeded", "PeakMemoryMonitor"]

@@ -1,0 +1,216 @@
+"""LowMemPrecision in real Trainer.fit runs on CPU, every precision mode.
+
+The sharing is checked by storage pointer inside a Trainer training step: the storage an
+MS norm saves must be the one the next linear saves, and a stock norm's consumers must all
+save one tensor.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.cli import _JSONARGPARSE_SIGNATURES_AVAILABLE as _JSONARGPARSE_AVAILABLE
+from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.strategies import FSDPStrategy
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch import nn
+
+from lightning_lowmem import LowMemPrecision
+from lightning_lowmem.lightning.precision import is_norm
+from lightning_lowmem.nn import MSLayerNorm, ReGELU2
+
+D = 16
+MODES = {  # literal: (compute dtype, autocast)
+    "32-true": (torch.float32, False),
+    "16-mixed": (torch.float16, True),
+    "bf16-mixed": (torch.bfloat16, True),
+    "16-true": (torch.float16, False),
+    "bf16-true": (torch.bfloat16, False),
+}
+
+
+class TinyRMSNorm(nn.Module):
+    """Written like HF's LlamaRMSNorm: fp32 statistics, ``weight * x.to(input dtype)``."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return self.weight * h.to(x.dtype)
+
+
+class SavedByModule:
+    """Storage pointers autograd saves, by the innermost module running, and module outputs."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.saved: dict[str, set[int]] = defaultdict(set)
+        self.outputs: dict[str, torch.Tensor] = {}
+        self._stack: list[str] = []
+        self._handles: list = []
+        self._graph = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        if self._stack:
+            self.saved[self._stack[-1]].add(t.untyped_storage().data_ptr())
+        return t
+
+    def __enter__(self) -> SavedByModule:
+        for name, module in self.model.named_children():
+            self._handles.append(module.register_forward_pre_hook(lambda m, a, n=name: self._stack.append(n)))
+            self._handles.append(module.register_forward_hook(lambda m, a, out, n=name: self._leave(n, out)))
+        self._graph.__enter__()
+        return self
+
+    def _leave(self, name: str, output: torch.Tensor) -> None:
+        self._stack.pop()
+        self.outputs[name] = output
+
+    def __exit__(self, *exc) -> None:
+        self._graph.__exit__(*exc)
+        for handle in self._handles:
+            handle.remove()
+
+    def ptr(self, name: str) -> int:
+        return self.outputs[name].untyped_storage().data_ptr()
+
+
+class Block(pl.LightningModule):
+    """MS norm -> MLP, stock LayerNorm -> q, k, v, HF-style RMSNorm -> head, on an fp32 residual."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(D, D)
+        self.ms = MSLayerNorm(D)
+        self.fc1 = nn.Linear(D, 2 * D)
+        self.act = ReGELU2()
+        self.fc2 = nn.Linear(2 * D, D)
+        self.ln = nn.LayerNorm(D)
+        self.q, self.k, self.v = nn.Linear(D, D), nn.Linear(D, D), nn.Linear(D, D)
+        self.rms = TinyRMSNorm(D)
+        self.head = nn.Linear(D, 1)
+        self.records: list[SavedByModule] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x + self.inp(x)
+        h = h + self.fc2(self.act(self.fc1(self.ms(h))))
+        a = self.ln(h)
+        h = h + self.q(a) * self.k(a) + self.v(a)
+        return self.head(self.rms(h))
+
+    def training_step(self, batch, batch_idx):
+        with SavedByModule(self) as record:
+            loss = self(batch).float().pow(2).mean()
+        self.records.append(record)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.randn(8, 4, D), batch_size=4)
+
+
+def fit(model: pl.LightningModule, plugin, **kwargs) -> pl.Trainer:
+    trainer = pl.Trainer(
+        accelerator="cpu", max_steps=2, plugins=[plugin] if plugin else None, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, **kwargs,
+    )  # fmt: skip
+    trainer.fit(model)
+    return trainer
+
+
+@pytest.mark.parametrize("precision", list(MODES))
+def test_fit_keeps_norms_fp32_and_shares_their_outputs(precision):
+    compute_dtype, autocast = MODES[precision]
+    model = Block()
+    before = model.fc1.weight.detach().float().clone()
+    trainer = fit(model, LowMemPrecision(precision))
+
+    assert trainer.precision == precision
+    assert not torch.equal(model.fc1.weight.detach().float(), before), "training did not update the weights"
+    params = compute_dtype if not autocast else torch.float32
+    assert model.fc1.weight.dtype == params
+    assert model.ln.weight.dtype == model.rms.weight.dtype == torch.float32  # norms hold fp32 parameters
+
+    record = model.records[-1]
+    for norm in ("ms", "ln", "rms"):
+        assert record.outputs[norm].dtype == compute_dtype, f"{norm} output in {record.outputs[norm].dtype}"
+    # the MS norm saves its output, and it is the very storage fc1 saves
+    assert record.ptr("ms") in record.saved["ms"]
+    assert record.ptr("ms") in record.saved["fc1"]
+    # one tensor for all three consumers of the stock LayerNorm
+    for consumer in ("q", "k", "v"):
+        assert record.ptr("ln") in record.saved[consumer], f"{consumer} saved its own copy of ln's output"
+
+
+def test_stock_mixed_precision_makes_consumers_copy_the_norm_output():
+    """The contrast: Lightning's own bf16-mixed lets q, k and v each save a bf16 copy."""
+    model = Block()
+    fit(model, None, precision="bf16-mixed")
+    record = model.records[-1]
+    assert record.outputs["ln"].dtype == torch.float32
+    copies = [record.saved[name] - {record.ptr("ln")} for name in ("q", "k", "v")]
+    assert all(copies) and not (copies[0] & copies[1]) and not (copies[1] & copies[2])
+
+
+def test_fp16_grad_scaler_is_used():
+    plugin = LowMemPrecision("16-mixed")
+    trainer = fit(Block(), plugin)
+    assert trainer.scaler is plugin.scaler is not None
+    assert plugin.state_dict()["scale"] > 0  # the scaler ran: its state holds a scale
+    assert LowMemPrecision("bf16-mixed").scaler is None
+
+
+def test_precision_flag_and_plugin_together_is_lightnings_error():
+    with pytest.raises(ValueError, match=r"Received both `precision=bf16-mixed` and `plugins=LowMemPrecision\('16-true'\)`"):
+        pl.Trainer(accelerator="cpu", precision="bf16-mixed", plugins=[LowMemPrecision("16-true")])
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(ValueError, match="precision must be one of"):
+        LowMemPrecision("64-true")
+    with pytest.raises(MisconfigurationException, match="does not use a grad scaler"):
+        LowMemPrecision("bf16-mixed", scaler=torch.amp.GradScaler(device="cpu"))
+
+
+def test_autocast_device_must_match_the_model():
+    with pytest.raises(MisconfigurationException, match="device='cpu'"):
+        fit(Block(), LowMemPrecision("bf16-mixed", device="cuda"))
+
+
+def test_fsdp_is_refused_by_name():
+    """FSDP is not supported yet; the Trainer assigns the plugin to the strategy, which refuses it."""
+    with pytest.raises(TypeError, match=r"FSDPPrecision.*LowMemPrecision\('bf16-mixed'\)"):
+        FSDPStrategy().precision_plugin = LowMemPrecision("bf16-mixed")
+
+
+@pytest.mark.skipif(not _JSONARGPARSE_AVAILABLE, reason="LightningCLI needs jsonargparse[signatures] (test extra)")
+def test_lightning_cli_yaml_class_path(tmp_path):
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        "trainer:\n  accelerator: cpu\n  logger: false\n  plugins:\n"
+        "    - class_path: lightning_lowmem.LowMemPrecision\n      init_args:\n        precision: bf16-true\n"
+    )
+    cli = LightningCLI(Block, run=False, args=["--config", str(config)], save_config_kwargs={"overwrite": True})
+    assert isinstance(cli.trainer.precision_plugin, LowMemPrecision)
+    assert cli.trainer.precision == "bf16-true"
+
+
+def test_norm_detection():
+    assert all(is_norm(m) for m in (nn.LayerNorm(4), nn.BatchNorm2d(4), nn.RMSNorm(4), MSLayerNorm(4), TinyRMSNorm(4)))
+    assert not any(is_norm(m) for m in (nn.Linear(4, 4), nn.GELU(), nn.Dropout()))
+
+
+def test_setting_up_twice_installs_one_hook():
+    model = Block()
+    plugin = LowMemPrecision("bf16-true")
+    plugin.convert_module(model)
+    plugin.convert_module(model)
+    assert len(model.ln._forward_hooks) == 1
