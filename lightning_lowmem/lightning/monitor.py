@@ -206,8 +206,8 @@ class PeakMemoryMonitor(Callback):
             budget = self.budget_mib.get(name)
             if budget is not None and value > budget:
                 raise MemoryBudgetExceeded(
-                    f"PeakMemoryMonitor: peak_memory/{stage}_{name}_mib = {value:.1f} MiB exceeds its budget of "
-                    f"{budget:.1f} MiB (epoch {epoch})"
+                    f"PeakMemoryMonitor: peak_memory/{stage}_{name}_mib = {value:.2f} MiB exceeds its budget of "
+                    f"{budget:g} MiB (epoch {epoch})"
                 )
 
     # -- outputs ---------------------------------------------------------------------------

@@ -1,0 +1,104 @@
+"""PeakMemoryMonitor in real Trainer.fit runs on CPU: loggers, summary, budget."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch import nn
+
+from lightning_lowmem import PeakMemoryMonitor
+from lightning_lowmem.lightning import MemoryBudgetExceeded
+from lightning_lowmem.memory import SavedTensorMeter
+from lightning_lowmem.memory.saved_tensors import MIB
+
+BATCH = torch.randn(8, 32)
+
+
+class MLP(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 1))
+
+    def training_step(self, batch, batch_idx):
+        return self.net(batch).pow(2).mean()
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self.net(batch).pow(2).mean())
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(BATCH.repeat(3, 1), batch_size=8)
+
+    def val_dataloader(self):
+        return torch.utils.data.DataLoader(BATCH, batch_size=8)
+
+
+def fit(tmp_path, monitor: PeakMemoryMonitor, epochs: int = 2, **kwargs) -> pl.Trainer:
+    trainer = pl.Trainer(
+        accelerator="cpu", max_epochs=epochs, default_root_dir=tmp_path, callbacks=[monitor],
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, **kwargs,
+    )  # fmt: skip
+    trainer.fit(MLP())
+    return trainer
+
+
+def test_figures_reach_every_logger_and_the_summary(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    monitor = PeakMemoryMonitor(activation_every_n_steps=1, validation=True, module_table=True, plot=True)
+    csv_logger, tb_logger = CSVLogger(tmp_path, name="csv"), TensorBoardLogger(tmp_path, name="tb")
+    trainer = fit(tmp_path, monitor, logger=[csv_logger, tb_logger])
+
+    names = ["peak_memory/train_activation_mib", "peak_memory/train_cpu_rss_mib", "peak_memory/val_cpu_rss_mib"]
+    model = MLP()
+    with SavedTensorMeter(model) as meter:
+        model.training_step(BATCH, 0)
+    assert trainer.callback_metrics[names[0]].item() == pytest.approx(meter.peak_bytes / MIB, abs=1e-3)
+    assert all(trainer.callback_metrics[name] > 0 for name in names)
+
+    with open(f"{csv_logger.log_dir}/metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    for name in names:
+        assert [row[name] for row in rows if row[name]] and len({row["epoch"] for row in rows if row[name]}) == 2
+
+    events = EventAccumulator(tb_logger.log_dir)
+    events.Reload()
+    assert set(names) <= set(events.Tags()["scalars"])
+
+    summary = json.loads((tmp_path / "csv" / "version_0" / "peak_memory.json").read_text())
+    assert [row["epoch"] for row in summary["epochs"]] == [0, 1]
+    assert summary["epochs"][0]["train"]["activation"] == pytest.approx(meter.peak_bytes / MIB, abs=1e-3)
+    assert "cpu_rss" in summary["epochs"][1]["val"]
+    assert summary["cpu_rss_reset_per_stage"] is True  # Linux: /proc/self/clear_refs
+    assert "net.0" in summary["modules_first_epoch_mib"]
+    assert (tmp_path / "csv" / "version_0" / "peak_memory.png").stat().st_size > 0
+
+
+def test_exceeding_a_budget_fails_the_run_naming_metric_budget_and_value(tmp_path):
+    monitor = PeakMemoryMonitor(activation_every_n_steps=1, budget_mib={"activation": 0.001})
+    with pytest.raises(MemoryBudgetExceeded, match=r"peak_memory/train_activation_mib = \d+\.\d\d MiB exceeds its budget of 0\.001 MiB \(epoch 0\)"):
+        fit(tmp_path, monitor, logger=False)
+    assert (tmp_path / "peak_memory.json").exists()  # the summary is written before failing
+
+
+def test_sampling_off_logs_no_activation(tmp_path):
+    trainer = fit(tmp_path, PeakMemoryMonitor(activation_every_n_steps=0), epochs=1, logger=False)
+    assert "peak_memory/train_activation_mib" not in trainer.callback_metrics
+    assert "peak_memory/train_cpu_rss_mib" in trainer.callback_metrics
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(MisconfigurationException, match="unknown budget 'vram'"):
+        PeakMemoryMonitor(budget_mib={"vram": 10})
+    with pytest.raises(MisconfigurationException, match="positive number"):
+        PeakMemoryMonitor(budget_mib={"activation": -1})
+    with pytest.raises(MisconfigurationException, match="activation_every_n_steps"):
+        PeakMemoryMonitor(activation_every_n_steps=-1)
