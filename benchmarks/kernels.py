@@ -1,0 +1,173 @@
+"""Low-memory ops against the stock ops they replace: forward, backward, forward+backward.
+
+Ratios are low-memory time / stock time (below 1 is faster), measured in one process,
+interleaved, median of repeated runs after warm-up. The stock norms are affine-free, like
+the low-memory ones. "bw" is the bandwidth a compiled kernel reaches (bytes it must read and
+write / its time) as a fraction of what ``torch.add`` reaches on tensors of the same shape and
+dtype. Writes the "kernels" section of ``benchmarks/RESULTS.md``.
+
+    python -m benchmarks.kernels [--repeats N] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+from collections.abc import Callable
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.common import interleaved_median, markdown_table, write_section
+from lightning_lowmem import functional, kernels
+from lightning_lowmem.ops.constants import GELU_2BIT, SILU_2BIT
+
+SHAPES = ((8, 197, 3072), (8, 197, 768), (2, 2048, 11008), (2, 2048, 4096))
+DTYPES = (torch.float32, torch.bfloat16)
+OPS: dict[str, tuple[Callable, Callable]] = {  # name -> (low-memory op, stock op)
+    "ReGELU2 / gelu": (functional.regelu2, F.gelu),
+    "ReSiLU2 / silu": (functional.resilu2, F.silu),
+    "MS-LN / layer_norm": (
+        lambda x: functional.ms_layer_norm(x, x.shape[-1:]),
+        lambda x: F.layer_norm(x, x.shape[-1:]),
+    ),
+    "MS-RMSNorm / rms_norm": (
+        lambda x: functional.ms_rms_norm(x, x.shape[-1:]),
+        lambda x: F.rms_norm(x, x.shape[-1:], eps=1e-6),
+    ),
+}
+
+
+@contextmanager
+def forced_backend(name: str):
+    old = os.environ.get(kernels.ENV_VAR)
+    os.environ[kernels.ENV_VAR] = name
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[kernels.ENV_VAR]
+        else:
+            os.environ[kernels.ENV_VAR] = old
+
+
+def phases(op: Callable, x: torch.Tensor, g: torch.Tensor) -> dict[str, Callable[[], object]]:
+    """Forward (recording the graph), backward alone (on a retained graph), and both."""
+    y = op(x)
+    return {
+        "fwd": lambda: op(x),
+        "bwd": lambda: torch.autograd.grad(y, x, g, retain_graph=True),
+        "fwd+bwd": lambda: torch.autograd.grad(op(x), x, g),
+    }
+
+
+def with_torch_backend(fn: Callable[[], object]) -> Callable[[], object]:
+    def run() -> object:
+        with forced_backend("torch"):
+            return fn()
+
+    return run
+
+
+def kernel_calls(name: str, x: torch.Tensor, g: torch.Tensor) -> dict[str, tuple[Callable[[], object], int]]:
+    """The compiled forward and backward kernel of an op, with the bytes each must move."""
+    impl = kernels.implementation(x.device)
+    n, size, dim = x.numel(), x.element_size(), x.shape[-1]
+    rows = n // dim
+    if name.startswith(("ReGELU2", "ReSiLU2")):
+        kind, step = ("gelu", GELU_2BIT) if name.startswith("ReGELU2") else ("silu", SILU_2BIT)
+        _, packed = impl.act_forward(x, kind, step.thresholds)
+        packed_bytes = packed.numel()
+        return {
+            "fwd": (lambda: impl.act_forward(x, kind, step.thresholds), 2 * n * size + packed_bytes),
+            "bwd": (lambda: impl.act_backward(g, packed, step.levels), 2 * n * size + packed_bytes),
+        }
+    center = name.startswith("MS-LN")
+    z, rstd = impl.norm_forward(x, dim, 1e-5, center, x.dtype)
+    return {
+        "fwd": (lambda: impl.norm_forward(x, dim, 1e-5, center, x.dtype), 2 * n * size + 4 * rows),
+        "bwd": (lambda: impl.norm_backward(g, z, rstd, dim, center, x.dtype), 3 * n * size + 4 * rows),
+    }
+
+
+def measure(name: str, shape: tuple[int, ...], dtype: torch.dtype, repeats: int) -> list[object]:
+    low, stock = OPS[name]
+    x = torch.randn(shape, dtype=dtype, requires_grad=True)
+    g = torch.randn(shape, dtype=dtype)
+    fns = {}
+    for phase, fn in phases(low, x, g).items():
+        fns[("low", phase)] = fn
+    for phase, fn in phases(stock, x, g).items():
+        fns[("stock", phase)] = fn
+    fns[("torch-ref", "fwd+bwd")] = with_torch_backend(phases(low, x, g)["fwd+bwd"])
+    detached, out = x.detach(), torch.empty(shape, dtype=dtype)
+    fns[("add", "")] = lambda: torch.add(detached, g, out=out)
+    calls = kernel_calls(name, detached, g)
+    for phase, (fn, _) in calls.items():
+        fns[("kernel", phase)] = fn
+    t = interleaved_median(fns, repeats=repeats)
+    add_bandwidth = 3 * math.prod(shape) * x.element_size() / t[("add", "")]
+    ratio = {phase: t[("low", phase)] / t[("stock", phase)] for phase in ("fwd", "bwd", "fwd+bwd")}
+    bandwidth = {phase: nbytes / t[("kernel", phase)] / add_bandwidth for phase, (_, nbytes) in calls.items()}
+    return [
+        name,
+        "x".join(map(str, shape)),
+        str(dtype).removeprefix("torch."),
+        f"{ratio['fwd']:.2f}",
+        f"{ratio['bwd']:.2f}",
+        f"**{ratio['fwd+bwd']:.2f}**",
+        f"{t[('torch-ref', 'fwd+bwd')] / t[('stock', 'fwd+bwd')]:.2f}",
+        f"{t[('stock', 'fwd+bwd')] * 1e3:.1f}",
+        f"{t[('low', 'fwd+bwd')] * 1e3:.1f}",
+        f"{bandwidth['fwd']:.2f}",
+        f"{bandwidth['bwd']:.2f}",
+    ]
+
+
+HEADER = [
+    "op (low-mem / stock)",
+    "shape",
+    "dtype",
+    "fwd",
+    "bwd",
+    "fwd+bwd",
+    "fwd+bwd, pure-PyTorch path",
+    "stock fwd+bwd ms",
+    "low-mem fwd+bwd ms",
+    "fwd kernel bw",
+    "bwd kernel bw",
+]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--quick", action="store_true", help="first two shapes only, no RESULTS.md")
+    args = parser.parse_args()
+    active = kernels.backend("cpu")
+    print(f"backend: {active}, threads: {torch.get_num_threads()}")
+    rows = []
+    for name in OPS:
+        for shape in SHAPES[:2] if args.quick else SHAPES:
+            for dtype in DTYPES:
+                rows.append(measure(name, shape, dtype, args.repeats))
+                print(" | ".join(rows[-1]), flush=True)
+    table = markdown_table(HEADER, rows)
+    print(table)
+    if args.quick:
+        return
+    body = (
+        f"### Compiled kernels (backend `{active}`)\n\n"
+        "Time ratios low-memory / stock (below 1 = faster; targets: fwd+bwd <= 1.0), medians of "
+        f"{args.repeats} interleaved runs. \"pure-PyTorch path\": the same op on the reference backend. "
+        "\"bw\": bytes the compiled kernel must move / its time, as a fraction of the bandwidth "
+        "`torch.add` reaches on the same shape and dtype (the forward activation kernel includes the "
+        "stock activation, which is compute-bound).\n\n" + table
+    )
+    write_section("kernels", body, f"python -m benchmarks.kernels --repeats {args.repeats}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,116 @@
+// The kernel contract of lightning_lowmem.kernels.torch_ops, for one device: argument
+// checks, output allocation and the Python binding. Shared by the CPU and CUDA extensions.
+#include <torch/extension.h>
+
+#include <string>
+#include <vector>
+
+#include "lowmem_kernels.h"
+
+namespace lowmem {
+namespace {
+
+bool is_float_type(at::ScalarType t) {
+  return t == at::kFloat || t == at::kDouble || t == at::kHalf || t == at::kBFloat16;
+}
+
+at::ScalarType accumulate_type(at::ScalarType t) {
+  return t == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+void check_tensor(const char* op, const char* name, const at::Tensor& t) {
+  TORCH_CHECK(t.device().type() == kKernelDevice, op, ": ", name, " must be on ", c10::DeviceTypeName(kKernelDevice, /*lower_case=*/true),
+              " for this extension, got ", t.device());
+}
+
+void check_float(const char* op, const char* name, const at::Tensor& t) {
+  check_tensor(op, name, t);
+  TORCH_CHECK_TYPE(is_float_type(t.scalar_type()), op, ": unsupported dtype ", t.scalar_type(), " for ", name,
+                   "; supported: float16, bfloat16, float32, float64");
+}
+
+int64_t packed_size(int64_t numel) { return (numel + 3) / 4; }
+
+at::Tensor stock_activation(const at::Tensor& x, const std::string& kind) {
+  if (kind == "silu") return at::silu(x);
+  if (kind == "gelu") return at::gelu(x, "none");
+  if (kind == "gelu_tanh") return at::gelu(x, "tanh");
+  TORCH_CHECK_VALUE(false, "act_forward: unknown activation kind '", kind, "'; expected gelu, gelu_tanh or silu");
+}
+
+// Forward is the stock ATen kernel (bit-exact by construction); the codes take one fused pass.
+std::tuple<at::Tensor, at::Tensor> act_forward(const at::Tensor& x, const std::string& kind,
+                                               const std::vector<double>& thresholds) {
+  check_float("act_forward", "x", x);
+  TORCH_CHECK_VALUE(thresholds.size() == 3, "act_forward: expected 3 thresholds, got ", thresholds.size());
+  at::Tensor y = stock_activation(x, kind);
+  at::Tensor packed = at::empty({packed_size(x.numel())}, x.options().dtype(at::kByte));
+  if (x.numel() > 0) step_codes(x.contiguous(), thresholds.data(), packed);
+  return {y, packed};
+}
+
+at::Tensor act_backward(const at::Tensor& grad, const at::Tensor& packed, const std::vector<double>& levels) {
+  check_float("act_backward", "grad", grad);
+  check_tensor("act_backward", "packed", packed);
+  TORCH_CHECK_TYPE(packed.scalar_type() == at::kByte, "act_backward: packed codes must be uint8, got ",
+                   packed.scalar_type());
+  TORCH_CHECK_VALUE(packed.numel() == packed_size(grad.numel()), "act_backward: ", packed.numel(),
+                    " packed bytes do not hold ", grad.numel(), " codes");
+  TORCH_CHECK_VALUE(levels.size() == 4, "act_backward: expected 4 levels, got ", levels.size());
+  at::Tensor g = grad.contiguous();
+  at::Tensor out = at::empty_like(g, at::MemoryFormat::Contiguous);
+  if (g.numel() > 0) step_scale(g, packed.contiguous(), levels.data(), out);
+  return out;
+}
+
+int64_t rows_of(const char* op, const at::Tensor& t, int64_t dim) {
+  TORCH_CHECK_VALUE(dim > 0 && t.numel() % dim == 0, op, ": cannot normalize ", t.numel(),
+                    " elements over trailing size ", dim);
+  return t.numel() / dim;
+}
+
+std::tuple<at::Tensor, at::Tensor> norm_forward_op(const at::Tensor& x, int64_t dim, double eps, bool center,
+                                                   at::ScalarType out_dtype) {
+  check_float("norm_forward", "x", x);
+  TORCH_CHECK_TYPE(is_float_type(out_dtype), "norm_forward: unsupported output dtype ", out_dtype);
+  TORCH_CHECK_VALUE(eps > 0, "norm_forward: eps must be positive, got ", eps);
+  const int64_t rows = rows_of("norm_forward", x, dim);
+  at::Tensor xc = x.contiguous();
+  at::Tensor z = at::empty(x.sizes(), x.options().dtype(out_dtype));
+  at::Tensor rstd = at::empty({rows}, x.options().dtype(accumulate_type(x.scalar_type())));
+  if (rows > 0) norm_forward(xc, dim, eps, center, z, rstd);
+  return {z, rstd};
+}
+
+at::Tensor norm_backward_op(const at::Tensor& grad, const at::Tensor& z, const at::Tensor& rstd, int64_t dim,
+                            bool center, at::ScalarType dtype) {
+  check_float("norm_backward", "grad", grad);
+  check_float("norm_backward", "z", z);
+  check_tensor("norm_backward", "rstd", rstd);
+  TORCH_CHECK_TYPE(is_float_type(dtype), "norm_backward: unsupported output dtype ", dtype);
+  TORCH_CHECK_VALUE(grad.sizes() == z.sizes(), "norm_backward: grad shape ", grad.sizes(), " differs from output shape ",
+                    z.sizes());
+  const int64_t rows = rows_of("norm_backward", z, dim);
+  TORCH_CHECK_VALUE(rstd.numel() == rows && rstd.scalar_type() == accumulate_type(z.scalar_type()),
+                    "norm_backward: expected ", rows, " rstd values of dtype ", accumulate_type(z.scalar_type()),
+                    ", got ", rstd.numel(), " of ", rstd.scalar_type());
+  at::Tensor g = grad.to(z.scalar_type()).contiguous();
+  at::Tensor grad_input = at::empty(z.sizes(), z.options().dtype(dtype));
+  if (rows > 0) norm_backward(g, z.contiguous(), rstd.contiguous(), dim, center, grad_input);
+  return grad_input;
+}
+
+}  // namespace
+}  // namespace lowmem
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "lightning_lowmem compiled kernels (contract: lightning_lowmem.kernels.torch_ops)";
+  m.def("act_forward", &lowmem::act_forward, "stock activation and its packed 2-bit codes", py::arg("x"),
+        py::arg("kind"), py::arg("thresholds"));
+  m.def("act_backward", &lowmem::act_backward, "grad * levels[code]", py::arg("grad"), py::arg("packed"),
+        py::arg("levels"));
+  m.def("norm_forward", &lowmem::norm_forward_op, "affine-free norm output and rstd", py::arg("x"), py::arg("dim"),
+        py::arg("eps"), py::arg("center"), py::arg("out_dtype"));
+  m.def("norm_backward", &lowmem::norm_backward_op, "norm input gradient from output and rstd", py::arg("grad"),
+        py::arg("z"), py::arg("rstd"), py::arg("dim"), py::arg("center"), py::arg("dtype"));
+}

@@ -1,0 +1,204 @@
+// CUDA kernels: grid-stride loops with 64-bit indices, launched on the current stream.
+// Element-wise kernels take one packed byte (four elements) per thread; norms take one row
+// per block with a two-pass (mean, then centered squares) block reduction in fp32 (fp64).
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include <algorithm>
+
+#include "lowmem_kernels.h"
+#include "lowmem_math.h"
+
+namespace lowmem {
+
+const c10::DeviceType kKernelDevice = c10::DeviceType::CUDA;
+
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int64_t kMaxBlocks = 65535;
+
+int64_t elementwise_blocks(int64_t work) {
+  return std::max<int64_t>(1, std::min<int64_t>((work + kThreads - 1) / kThreads, kMaxBlocks * 8));
+}
+
+template <typename acc_t>
+struct Table {
+  acc_t v[4];
+};
+
+template <typename T>
+__global__ void step_codes_kernel(const T* __restrict__ x, int64_t numel, Table<at::opmath_type<T>> thresholds,
+                                  uint8_t* __restrict__ packed) {
+  using acc_t = at::opmath_type<T>;
+  const int64_t bytes = (numel + 3) / 4;
+  for (int64_t j = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; j < bytes; j += int64_t(gridDim.x) * blockDim.x) {
+    uint8_t codes[4] = {0, 0, 0, 0};
+#pragma unroll
+    for (int slot = 0; slot < 4; ++slot) {
+      const int64_t i = 4 * j + slot;
+      if (i < numel) codes[slot] = step_code(static_cast<acc_t>(x[i]), thresholds.v);
+    }
+    packed[j] = pack4(codes[0], codes[1], codes[2], codes[3]);
+  }
+}
+
+template <typename T>
+__global__ void step_scale_kernel(const T* __restrict__ grad, const uint8_t* __restrict__ packed, int64_t numel,
+                                  Table<at::opmath_type<T>> levels, T* __restrict__ out) {
+  using acc_t = at::opmath_type<T>;
+  const int64_t bytes = (numel + 3) / 4;
+  for (int64_t j = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; j < bytes; j += int64_t(gridDim.x) * blockDim.x) {
+    const uint8_t byte = packed[j];
+#pragma unroll
+    for (int slot = 0; slot < 4; ++slot) {
+      const int64_t i = 4 * j + slot;
+      if (i < numel) out[i] = static_cast<T>(static_cast<acc_t>(grad[i]) * level_of(unpack(byte, slot), levels.v));
+    }
+  }
+}
+
+template <typename acc_t>
+__device__ acc_t warp_sum(acc_t v) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_down_sync(0xffffffffu, v, offset);
+  return v;
+}
+
+// Sum over the block, returned to every thread. `shared` holds 32 values.
+template <typename acc_t>
+__device__ acc_t block_sum(acc_t v, acc_t* shared) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  v = warp_sum(v);
+  __syncthreads();  // the previous call's readers are done with `shared`
+  if (lane == 0) shared[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    v = lane < (blockDim.x + 31) / 32 ? shared[lane] : acc_t(0);
+    v = warp_sum(v);
+    if (lane == 0) shared[0] = v;
+  }
+  __syncthreads();
+  return shared[0];
+}
+
+template <typename T, typename U>
+__global__ void norm_forward_kernel(const T* __restrict__ x, int64_t rows, int64_t dim, at::opmath_type<T> eps,
+                                    bool center, U* __restrict__ z, at::opmath_type<T>* __restrict__ rstd) {
+  using acc_t = at::opmath_type<T>;
+  __shared__ acc_t shared[32];
+  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    const T* xr = x + row * dim;
+    acc_t mean = 0;
+    if (center) {
+      acc_t sum = 0;
+      for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) sum += static_cast<acc_t>(xr[i]);
+      mean = block_sum(sum, shared) / acc_t(dim);
+    }
+    acc_t squares = 0;
+    for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) squares += centered_square(static_cast<acc_t>(xr[i]), mean);
+    const acc_t r = inverse_std(block_sum(squares, shared) / acc_t(dim), eps);
+    if (threadIdx.x == 0) rstd[row] = r;
+    for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) {
+      z[row * dim + i] = static_cast<U>(normalized(static_cast<acc_t>(xr[i]), mean, r));
+    }
+  }
+}
+
+template <typename U, typename T>
+__global__ void norm_backward_kernel(const U* __restrict__ grad, const U* __restrict__ z,
+                                     const at::opmath_type<U>* __restrict__ rstd, int64_t rows, int64_t dim, bool center,
+                                     T* __restrict__ grad_input) {
+  using acc_t = at::opmath_type<U>;
+  __shared__ acc_t shared[32];
+  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    const U* g = grad + row * dim;
+    const U* zr = z + row * dim;
+    acc_t sum_g = 0, sum_gz = 0;
+    for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) {
+      const acc_t gi = static_cast<acc_t>(g[i]);
+      sum_g += gi;
+      sum_gz += gi * static_cast<acc_t>(zr[i]);
+    }
+    const acc_t mean_g = center ? block_sum(sum_g, shared) / acc_t(dim) : acc_t(0);
+    const acc_t mean_gz = block_sum(sum_gz, shared) / acc_t(dim);
+    const acc_t r = rstd[row];
+    for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) {
+      grad_input[row * dim + i] = static_cast<T>(
+          norm_input_grad(static_cast<acc_t>(g[i]), static_cast<acc_t>(zr[i]), r, mean_g, mean_gz));
+    }
+  }
+}
+
+template <typename acc_t>
+Table<acc_t> table_of(const double* values, int count) {
+  Table<acc_t> table{};
+  for (int k = 0; k < count; ++k) table.v[k] = acc_t(values[k]);
+  return table;
+}
+
+// Threads per row: a multiple of 32 up to 512, no more than the row needs.
+int norm_threads(int64_t dim) {
+  return static_cast<int>(std::min<int64_t>(512, std::max<int64_t>(32, (dim + 31) / 32 * 32)));
+}
+
+}  // namespace
+
+void step_codes(const at::Tensor& x, const double* thresholds, at::Tensor& packed) {
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int64_t blocks = elementwise_blocks(packed.numel());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "step_codes", [&] {
+    step_codes_kernel<scalar_t><<<blocks, kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+        x.const_data_ptr<scalar_t>(), x.numel(), table_of<at::opmath_type<scalar_t>>(thresholds, 3),
+        packed.mutable_data_ptr<uint8_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+}
+
+void step_scale(const at::Tensor& grad, const at::Tensor& packed, const double* levels, at::Tensor& out) {
+  const c10::cuda::CUDAGuard guard(grad.device());
+  const int64_t blocks = elementwise_blocks(packed.numel());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(), "step_scale", [&] {
+    step_scale_kernel<scalar_t><<<blocks, kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+        grad.const_data_ptr<scalar_t>(), packed.const_data_ptr<uint8_t>(), grad.numel(),
+        table_of<at::opmath_type<scalar_t>>(levels, 4), out.mutable_data_ptr<scalar_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+}
+
+void norm_forward(const at::Tensor& x, int64_t dim, double eps, bool center, at::Tensor& z, at::Tensor& rstd) {
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int64_t rows = rstd.numel();
+  const int64_t blocks = std::min<int64_t>(rows, kMaxBlocks * 32);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "norm_forward", [&] {
+    using in_t = scalar_t;
+    using acc_t = at::opmath_type<in_t>;
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, z.scalar_type(), "norm_forward", [&] {
+      norm_forward_kernel<in_t, scalar_t><<<blocks, norm_threads(dim), 0, c10::cuda::getCurrentCUDAStream()>>>(
+          x.const_data_ptr<in_t>(), rows, dim, acc_t(eps), center, z.mutable_data_ptr<scalar_t>(),
+          rstd.mutable_data_ptr<acc_t>());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+  });
+}
+
+void norm_backward(const at::Tensor& grad, const at::Tensor& z, const at::Tensor& rstd, int64_t dim, bool center,
+                   at::Tensor& grad_input) {
+  const c10::cuda::CUDAGuard guard(grad.device());
+  const int64_t rows = rstd.numel();
+  const int64_t blocks = std::min<int64_t>(rows, kMaxBlocks * 32);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, z.scalar_type(), "norm_backward", [&] {
+    using out_t = scalar_t;
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad_input.scalar_type(), "norm_backward", [&] {
+      norm_backward_kernel<out_t, scalar_t><<<blocks, norm_threads(dim), 0, c10::cuda::getCurrentCUDAStream()>>>(
+          grad.const_data_ptr<out_t>(), z.const_data_ptr<out_t>(), rstd.const_data_ptr<at::opmath_type<out_t>>(),
+          rows, dim, center, grad_input.mutable_data_ptr<scalar_t>());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+  });
+}
+
+}  // namespace lowmem
