@@ -21,6 +21,7 @@ from torch import nn
 from lightning_lowmem import LowMemPrecision
 from lightning_lowmem.lightning.precision import is_norm
 from lightning_lowmem.nn import MSLayerNorm, ReGELU2
+from lightning_lowmem.surgery import apply_lowmem
 
 D = 16
 MODES = {  # literal: (compute dtype, autocast)
@@ -214,3 +215,36 @@ def test_setting_up_twice_installs_one_hook():
     plugin.convert_module(model)
     plugin.convert_module(model)
     assert len(model.ln._forward_hooks) == 1
+
+
+class PreNorm(pl.LightningModule):
+    """Stock pre-norm block for model surgery: LayerNorm -> fc1 -> GELU -> fc2 on a residual."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(D, D)
+        self.norm = nn.LayerNorm(D)
+        self.fc1 = nn.Linear(D, 2 * D)
+        self.act = nn.GELU()
+        self.fc2 = nn.Linear(2 * D, D)
+        self.records: list[SavedByModule] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x + self.inp(x)
+        return h + self.fc2(self.act(self.fc1(self.norm(h))))
+
+    training_step, configure_optimizers, train_dataloader = Block.training_step, Block.configure_optimizers, Block.train_dataloader
+
+
+@pytest.mark.parametrize("precision", list(MODES))
+def test_surgery_norm_shares_with_its_consumer_in_a_trainer_step(precision):
+    """After apply_lowmem the norm's affine lives in fp32 and its saved output is what fc1 saves."""
+    compute_dtype, autocast = MODES[precision]
+    model = PreNorm()
+    apply_lowmem(model, example_input=torch.randn(4, 4, D))
+    fit(model, LowMemPrecision(precision))
+    assert model.norm.weight.dtype == model.norm.bias.dtype == torch.float32
+    record = model.records[-1]
+    assert record.outputs["norm"].dtype == compute_dtype
+    assert record.ptr("norm") in record.saved["norm"]
+    assert record.ptr("norm") in record.saved["fc1"]

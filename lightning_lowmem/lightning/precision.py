@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from lightning_lowmem.nn import MSLayerNorm, MSRMSNorm
+from lightning_lowmem.surgery import DeferredAffineNorm
 
 _PRECISION = Literal["16-mixed", "bf16-mixed", "16-true", "bf16-true", "32-true"]
 _HALF = {"16": torch.float16, "bf16": torch.bfloat16}
@@ -31,7 +32,7 @@ _TORCH_NORMS = (
     nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm,
     nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d,
 )  # fmt: skip
-_MEMORY_SHARING_NORMS = (MSLayerNorm, MSRMSNorm)
+_MEMORY_SHARING_NORMS = (MSLayerNorm, MSRMSNorm, DeferredAffineNorm)
 
 # One output hook per norm module, whichever plugin installed it last (a model can be
 # set up by several trainers, or several times by one).
@@ -61,6 +62,12 @@ class LowMemPrecision(Precision):
     Norms are recognised by :func:`is_norm`. Torch's norm kernels accept a half input with
     fp32 parameters and accumulate in fp32; a custom norm (e.g. HF ``LlamaRMSNorm``)
     computes its statistics however it is written (HF upcasts to fp32 explicitly).
+
+    Memory, against Lightning's own plugin for the same literal: under autocast, a stock
+    norm feeding several linears saves one half copy instead of one per linear (LLaMA q/k/v,
+    gate/up); a consumer that saves only a slice of the output (ViT's class-token head) now
+    keeps the whole half output alive instead of a half copy of the slice. Under ``*-true``
+    the fp32 statistics a torch norm saves (mean/rstd, one per row) double in size.
 
     Not supported yet: strategies that require their own precision plugin (FSDP,
     DeepSpeed, XLA); Lightning refuses the combination when the Trainer is built.
