@@ -22,7 +22,10 @@ STEPS = {"gelu": GELU_2BIT, "gelu_tanh": GELU_2BIT, "silu": SILU_2BIT}
 # Empty, shorter than a byte, odd tails, around the 4096-element staging block, several parallel chunks.
 SIZES = [0, 1, 3, 4, 5, 4095, 4097, 3 * 4096 + 7, 200_003]
 NORM_SHAPES = [(0, 8), (1, 1), (3, 7), (5, 768), (2, 3, 1001), (64, 33)]
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")]),
+]
 
 
 def compiled(device: str) -> ModuleType:
@@ -169,9 +172,12 @@ def test_failed_build_falls_back_once_or_raises_when_forced(monkeypatch):
     kernels._warn_fallback.cache_clear()
 
 
-def test_no_compiler_is_a_build_error(monkeypatch):
+def test_no_compiler_or_sources_is_a_build_error(monkeypatch, tmp_path):
     monkeypatch.setenv("CXX", "no-such-compiler-lowmem")
     with pytest.raises(build.BuildError, match="no C\\+\\+ compiler"):
+        build.build("cpu")
+    monkeypatch.setattr(build, "CSRC", tmp_path / "missing")
+    with pytest.raises(build.BuildError, match="sources are not installed"):
         build.build("cpu")
 
 

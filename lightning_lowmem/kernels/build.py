@@ -156,6 +156,8 @@ def ninja_on_path() -> Iterator[None]:
 def _check_can_build(kind: str) -> None:
     from torch.utils import cpp_extension
 
+    if not CSRC.is_dir():
+        raise BuildError(f"the kernel sources are not installed (no {CSRC})")
     compiler = os.environ.get("CXX", "c++")
     if shutil.which(compiler) is None:
         raise BuildError(f"no C++ compiler ({compiler!r} is not on PATH)")
@@ -178,7 +180,7 @@ def build(kind: str, verbose: bool = False) -> ModuleType:
     if fresh:
         print(f"lightning_lowmem: compiling the {kind} kernels into {directory} (first use; about a minute)",
               file=sys.stderr)
-    flags = ["-O3", *cpu_flags()]
+    flags = ["-O3", *(cpu_flags() if kind == "cpu" else [])]
     try:
         with ninja_on_path(), build_lock(directory):
             return cpp_extension.load(
