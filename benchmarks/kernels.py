@@ -135,7 +135,7 @@ def main() -> None:
     body = (
         f"### Compiled kernels (backend `{active}`)\n\n"
         "Time ratios low-memory / stock (below 1 = faster; targets: fwd+bwd <= 1.0), medians of "
-        f"{args.repeats} interleaved runs. \"bw\": bytes the compiled kernel must move / its time, as a fraction of the bandwidth "
+        f'{args.repeats} interleaved runs. "bw": bytes the compiled kernel must move / its time, as a fraction of the bandwidth '
         "`torch.add` reaches on the same shape and dtype (the forward activation kernel includes the "
         "stock activation, which is compute-bound).\n\n" + table
     )

@@ -109,8 +109,10 @@ def test_norm_non_contiguous_inputs(device):
     torch.testing.assert_close(z, F.layer_norm(x, (48,)))
     grad = torch.randn(48, device=device).expand(40, 48)
     ref_z, ref_rstd = torch_ops.norm_forward(x.contiguous(), 48, 1e-5, True, x.dtype)
-    torch.testing.assert_close(ext.norm_backward(grad, z, rstd, 48, True, x.dtype),
-                               torch_ops.norm_backward(grad, ref_z, ref_rstd, 48, True, x.dtype))
+    torch.testing.assert_close(
+        ext.norm_backward(grad, z, rstd, 48, True, x.dtype),
+        torch_ops.norm_backward(grad, ref_z, ref_rstd, 48, True, x.dtype),
+    )
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -232,6 +234,9 @@ def test_cli_prebuilds_and_reports():
     compiled("cpu")  # built (or cached) in-process first, so the CLI only loads
     out = subprocess.run(
         [sys.executable, "-m", "lightning_lowmem.kernels", "build"],
-        capture_output=True, text=True, timeout=600, check=True,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
     ).stdout
     assert "cpu: built" in out and "cpu tensors -> cpp" in out

@@ -178,8 +178,10 @@ def build(kind: str, verbose: bool = False) -> ModuleType:
     directory = build_dir(kind)
     fresh = not any(directory.glob("*.so")) and not any(directory.glob("*.pyd"))
     if fresh:
-        print(f"lightning_lowmem: compiling the {kind} kernels into {directory} (first use; about a minute)",
-              file=sys.stderr)
+        print(
+            f"lightning_lowmem: compiling the {kind} kernels into {directory} (first use; about a minute)",
+            file=sys.stderr,
+        )
     flags = ["-O3", *(cpu_flags() if kind == "cpu" else [])]
     try:
         with ninja_on_path(), build_lock(directory):
