@@ -1,0 +1,189 @@
+"""Where does each norm's output go? A probe forward on a real input answers it.
+
+Converting a norm changes what its output tensor *is* (the affine-free ``z``), so it is only
+correct if every reader of that tensor is a linear layer that takes over the affine. The probe
+tags each norm output and watches every torch function call (a ``TorchFunctionMode``) that
+touches it: the only allowed reader is ``F.linear`` called by an exact ``nn.Linear`` module on
+that tensor (a peft LoRA layer reads it through its ``base_layer`` and ``lora_A``, both
+``nn.Linear``). Anything else (a residual add, ``torch.roll``, a reshape, a dropout, being
+returned from the model) blocks the norm, with the reason. The probe runs in train mode with
+gradients and in eval mode without, so paths taken in only one mode are seen too; RNG and
+buffers are restored afterwards.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import defaultdict
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+_METADATA = {
+    "size", "dim", "numel", "stride", "is_contiguous", "element_size", "nelement", "is_floating_point",
+    "get_device", "data_ptr", "__len__", "is_complex", "storage_offset",
+    "shape", "dtype", "device", "ndim", "requires_grad", "is_cuda", "layout", "is_leaf", "grad_fn",
+    "is_sparse", "is_meta", "is_nested", "is_quantized", "names", "is_mps",
+}  # fmt: skip
+_PASS_THROUGH = {"to", "contiguous", "type_as", "cpu", "cuda"}  # reads nothing when they return the input itself
+_FUNCTIONAL_ACTIVATIONS = {F.gelu: "gelu", F.silu: "silu"}
+
+
+@dataclass
+class Flow:
+    """What the probe found: each norm's consumer linears, or the reason it is blocked.
+
+    ``functional`` maps module names to GELU/SiLU functions called directly in their forward
+    (not swappable); ``outputs`` are the model's eval-mode outputs, a reference for checks.
+    """
+
+    consumers: dict[str, set[str]] = field(default_factory=lambda: defaultdict(set))
+    blocked: dict[str, str] = field(default_factory=dict)
+    functional: dict[str, set[str]] = field(default_factory=lambda: defaultdict(set))
+    outputs: list[torch.Tensor] = field(default_factory=list)
+
+    def block(self, norm: str, reason: str) -> None:
+        self.blocked.setdefault(norm, reason)
+
+
+def _op_name(func: Any) -> str:
+    name = getattr(func, "__name__", repr(func))
+    if name == "__get__":  # a property of Tensor, e.g. ``.shape``: name the property
+        name = getattr(getattr(func, "__self__", None), "__name__", name)
+    return name
+
+
+def tensors_in(obj: Any) -> list[torch.Tensor]:
+    """The tensors in a (nested) model output: tensor, list, tuple, dict, HF ModelOutput."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, Mapping):
+        return [t for value in obj.values() for t in tensors_in(value)]
+    if isinstance(obj, (list, tuple)):
+        return [t for value in obj for t in tensors_in(value)]
+    return []
+
+
+class _Probe(TorchFunctionMode):
+    def __init__(self, flow: Flow, names: dict[nn.Module, str], stack: list[nn.Module], activations: set[nn.Module]):
+        super().__init__()
+        self.flow, self.names, self.stack, self.activations = flow, names, stack, activations
+        self.tagged: dict[int, tuple[torch.Tensor, str]] = {}
+
+    def source(self, t: Any) -> str | None:
+        entry = self.tagged.get(id(t)) if isinstance(t, torch.Tensor) else None
+        return entry[1] if entry is not None and entry[0] is t else None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        here = self.stack[-1] if self.stack else None
+        where = self.names.get(here) or "<root>"
+        if func in _FUNCTIONAL_ACTIVATIONS and here not in self.activations:
+            self.flow.functional[where].add(_op_name(func))
+        name = _op_name(func)
+        for t in tree_flatten((args, kwargs))[0]:
+            norm = self.source(t)
+            if norm is None or name in _METADATA or (name in _PASS_THROUGH and out is t):
+                continue
+            if func is F.linear and args and args[0] is t and type(here) is nn.Linear and args[1] is here.weight:
+                self.flow.consumers[norm].add(where)
+            elif "lora_dropout" in where:
+                self.flow.block(norm, f"LoRA dropout in {where} breaks sharing")
+            else:
+                self.flow.block(norm, f"output reaches {name} in {where}")
+        return out
+
+
+@contextmanager
+def isolated(model: nn.Module, train: bool) -> Iterator[None]:
+    """Run a throwaway forward: same mode requested, RNG and buffers restored afterwards."""
+    was_training = model.training
+    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+    devices = sorted({b.device.index for b in model.parameters() if b.device.type == "cuda"})
+    with torch.random.fork_rng(devices=devices):
+        model.train(train)
+        try:
+            with torch.set_grad_enabled(train):
+                yield
+        finally:
+            model.train(was_training)
+            with torch.no_grad():
+                for name, b in model.named_buffers():
+                    if name in buffers:
+                        b.copy_(buffers[name])
+
+
+def call(model: nn.Module, example: Any) -> Any:
+    """Call ``model`` the Lightning way: a tuple is positional args, a dict keyword args."""
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    example = tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, copy.copy(example))
+    if isinstance(example, tuple):
+        return model(*example)
+    if isinstance(example, Mapping):
+        return model(**example)
+    return model(example)
+
+
+def trace(model: nn.Module, example: Any, norms: dict[str, nn.Module], activations: set[nn.Module]) -> Flow:
+    """Probe ``model`` on ``example`` (train and eval mode) and decide every norm in ``norms``."""
+    flow = Flow()
+    names = {module: name for name, module in model.named_modules()}
+    by_module = {module: name for name, module in norms.items()}
+    linear_inputs: dict[str, set[str | None]] = defaultdict(set)
+    called: set[str] = set()
+    stack: list[nn.Module] = []
+    probe = _Probe(flow, names, stack, activations)
+
+    def pre(module, args):
+        stack.append(module)
+        if type(module) is nn.Linear:
+            linear_inputs[names[module]].add(probe.source(args[0]) if args else None)
+
+    def post(module, args, output):
+        stack.pop()
+        norm = by_module.get(module)
+        if norm is None:
+            return
+        called.add(norm)
+        if not isinstance(output, torch.Tensor):
+            flow.block(norm, "output is not a single tensor")
+        else:
+            probe.tagged[id(output)] = (output, norm)
+
+    handles = []
+    for module in names:
+        handles.append(module.register_forward_pre_hook(pre))
+        handles.append(module.register_forward_hook(post, always_call=True))
+    try:
+        for train in (True, False):
+            with isolated(model, train), probe:
+                outputs = call(model, example)
+            tensors = tensors_in(outputs)
+            for t in tensors:
+                norm = probe.source(t)
+                if norm is not None:
+                    flow.block(norm, "output is returned from the model")
+            flow.outputs = [t.detach().float() for t in tensors]
+            del outputs, tensors
+            probe.tagged.clear()
+    finally:
+        for handle in handles:
+            handle.remove()
+
+    for norm in norms:
+        if norm not in called:
+            flow.block(norm, "not called in the probe forward")
+        elif not flow.consumers.get(norm):
+            flow.block(norm, "output reaches no linear layer")
+        for linear in flow.consumers.get(norm, ()):
+            if linear_inputs[linear] != {norm}:
+                flow.block(norm, f"consumer {linear} is also called on other inputs")
+    return flow

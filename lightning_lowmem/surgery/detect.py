@@ -1,0 +1,120 @@
+"""Recognise GELU / SiLU activations and LayerNorm / RMSNorm layers across torch, timm and HF.
+
+Class names only nominate candidates; each candidate is then *verified* by running it on a
+test input and comparing with the reference function (for norms with randomised affine
+parameters), so a look-alike that computes something else (QuickGELU, Gemma's ``1 + weight``
+RMSNorm, a channels-first LayerNorm2d) is rejected with a reason instead of being converted.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call
+
+_ACTIVATION_NAME = re.compile(r"gelu|silu|swish", re.I)
+_NORM_NAME = re.compile(r"layer_?norm|rms_?norm", re.I)
+_EPS_ATTRS = ("eps", "variance_epsilon", "epsilon")
+_ACTIVATIONS = {"gelu": lambda x: F.gelu(x), "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "silu": F.silu}
+
+
+class NotConvertible(Exception):
+    """A candidate that must stay as it is; the message is the reason shown in the report."""
+
+
+@dataclass(frozen=True)
+class NormSpec:
+    """What a verified norm computes: ``kind`` is ``"layer"`` or ``"rms"``."""
+
+    kind: str
+    normalized_shape: tuple[int, ...]
+    eps: float | None
+    has_weight: bool
+    has_bias: bool
+
+
+def is_activation_candidate(module: nn.Module) -> bool:
+    if isinstance(module, (nn.GELU, nn.SiLU)):
+        return True
+    return bool(_ACTIVATION_NAME.search(type(module).__name__)) and not any(module.children())
+
+
+def is_norm_candidate(module: nn.Module) -> bool:
+    if isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
+        return True
+    return bool(_NORM_NAME.search(type(module).__name__)) and not any(module.children())
+
+
+def activation_kind(module: nn.Module) -> str:
+    """``"gelu"``, ``"gelu_tanh"`` or ``"silu"``: which function ``module`` provably computes."""
+    if any(True for _ in module.parameters(recurse=False)) or any(True for _ in module.buffers(recurse=False)):
+        raise NotConvertible("has parameters or buffers")
+    x = torch.linspace(-12.0, 12.0, 4801, dtype=torch.float64)
+    try:
+        with torch.no_grad():
+            y = module(x.clone())
+    except Exception as err:  # any failure means: not a plain elementwise activation
+        raise NotConvertible(f"probe call failed ({type(err).__name__})") from None
+    if not isinstance(y, torch.Tensor) or y.shape != x.shape:
+        raise NotConvertible("not an elementwise activation")
+    for kind, reference in _ACTIVATIONS.items():
+        if torch.allclose(y.double(), reference(x), rtol=0, atol=1e-9):
+            return kind
+    raise NotConvertible("computes neither GELU (erf/tanh) nor SiLU (e.g. QuickGELU)")
+
+
+def _eps(module: nn.Module) -> float | None:
+    for attr in _EPS_ATTRS:
+        if hasattr(module, attr):
+            value = getattr(module, attr)
+            if value is None or isinstance(value, (int, float)):
+                return None if value is None else float(value)
+    raise NotConvertible("no eps attribute found")
+
+
+def _reference(kind: str, x: torch.Tensor, shape: tuple[int, ...], eps: float | None, weight, bias) -> torch.Tensor:
+    dims = tuple(range(-len(shape), 0))
+    if kind == "layer":
+        x = x - x.mean(dims, keepdim=True)
+    eps = torch.finfo(x.dtype).eps if eps is None else eps
+    z = x * torch.rsqrt(x.square().mean(dims, keepdim=True) + eps)
+    if weight is not None:
+        z = z * weight
+    return z if bias is None else z + bias
+
+
+def norm_spec(module: nn.Module) -> NormSpec:
+    """The verified description of a LayerNorm / RMSNorm, or :class:`NotConvertible`."""
+    params = dict(module.named_parameters(recurse=False))
+    if set(params) - {"weight", "bias"} or any(True for _ in module.buffers(recurse=False)):
+        raise NotConvertible(f"unexpected parameters/buffers {sorted(set(params) - {'weight', 'bias'})}")
+    if module._forward_hooks or module._forward_pre_hooks:
+        raise NotConvertible("has forward hooks (they would see the affine-free output)")
+    weight, bias = params.get("weight"), params.get("bias")
+    shape = getattr(module, "normalized_shape", None)
+    if shape is None:
+        if weight is None:
+            raise NotConvertible("cannot tell its normalized shape")
+        shape = weight.shape
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    eps = _eps(module)
+    # float64 input, randomised affine, rows at several scales (eps matters for the small ones)
+    scales = torch.logspace(-3, 2, 6, dtype=torch.float64).view(-1, *([1] * len(shape)))
+    x = (torch.randn(6, *shape, dtype=torch.float64) + 0.5) * scales
+    trial = {name: torch.randn_like(p, dtype=torch.float64) for name, p in params.items()}
+    try:
+        with torch.no_grad():
+            y = functional_call(module, trial, (x,))
+    except Exception as err:  # any failure means: not a norm over the trailing dims
+        raise NotConvertible(f"probe call failed ({type(err).__name__})") from None
+    for kind in ("layer", "rms"):
+        if kind == "rms" and bias is not None:
+            continue
+        expected = _reference(kind, x, shape, eps, trial.get("weight"), trial.get("bias"))
+        if isinstance(y, torch.Tensor) and y.shape == x.shape and torch.allclose(y.double(), expected, rtol=1e-4, atol=1e-5):
+            return NormSpec(kind, shape, eps, weight is not None, bias is not None)
+    raise NotConvertible("output differs from LayerNorm/RMSNorm over the trailing dims (e.g. 1+weight, channels-first)")

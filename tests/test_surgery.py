@@ -1,0 +1,347 @@
+"""Model surgery on real architectures (random init): outputs, gradients, checkpoints, memory."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_lowmem.memory import SavedTensorMeter
+from lightning_lowmem.nn import ReGELU2, ReSiLU2
+from lightning_lowmem.surgery import DeferredAffineNorm, LowMemLinear, apply_lowmem
+from lightning_lowmem.surgery import apply as apply_module
+
+timm = pytest.importorskip("timm")
+peft = pytest.importorskip("peft")
+transformers = pytest.importorskip("transformers")
+
+
+# -- models --------------------------------------------------------------------------------
+def tiny_vit(lora: list[str] | None = None, dropout: float = 0.0) -> nn.Module:
+    model = timm.create_model(
+        "vit_small_patch16_224", pretrained=False, depth=2, img_size=32, patch_size=8,
+        embed_dim=64, num_heads=2, num_classes=5,
+    )  # fmt: skip
+    return with_lora(model, lora, dropout) if lora else model
+
+
+def with_lora(model: nn.Module, targets: list[str], dropout: float = 0.0) -> nn.Module:
+    config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules=targets)
+    model = peft.get_peft_model(model, config)
+    for name, param in model.named_parameters():  # random B so LoRA changes the function
+        if "lora_B" in name:
+            nn.init.normal_(param, std=0.02)
+    return model
+
+
+def tiny_llama(lora: bool = True) -> nn.Module:
+    config = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(config)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    return with_lora(model, targets) if lora else model
+
+
+def tiny_bert() -> nn.Module:
+    config = transformers.BertConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, max_position_embeddings=64, num_labels=3, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    return with_lora(transformers.BertForSequenceClassification(config), ["query", "value"])
+
+
+class Custom(nn.Module):
+    """Pre-norm MLP blocks: a norm that feeds two linears, one feeding a residual, a shared
+    activation module, and a functional SiLU that cannot be swapped."""
+
+    def __init__(self, dim: int = 32) -> None:
+        super().__init__()
+        self.norm_a = nn.LayerNorm(dim)
+        self.up, self.gate = nn.Linear(dim, 2 * dim), nn.Linear(dim, 2 * dim)
+        self.act = nn.GELU(approximate="tanh")
+        self.down = nn.Linear(2 * dim, dim)
+        self.norm_b = nn.RMSNorm(dim)
+        self.proj = nn.Linear(dim, dim)
+        self.norm_c = nn.LayerNorm(dim)  # output also added to the residual stream
+        self.mix = nn.Linear(dim, dim)
+        self.acts = nn.ModuleList([nn.SiLU(), self.act])  # `act` is shared
+        self.head = nn.Linear(dim, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm_a(x)
+        x = x + self.down(self.act(self.up(h)) * self.acts[0](self.gate(h)))
+        x = x + F.silu(self.proj(self.norm_b(x)))
+        c = self.norm_c(x)
+        x = c + self.acts[1](self.mix(c))
+        return self.head(x)
+
+
+def image() -> torch.Tensor:
+    return torch.randn(2, 3, 32, 32)
+
+
+def tokens() -> torch.Tensor:
+    return torch.randint(0, 128, (2, 16))
+
+
+def logits(out) -> torch.Tensor:
+    return out.logits if hasattr(out, "logits") else out
+
+
+def converted(model: nn.Module, example, **options):
+    twin = copy.deepcopy(model)
+    report = apply_lowmem(twin, example_input=example, **options)
+    return twin, report
+
+
+def grads(model: nn.Module, example) -> dict[str, torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    model.train()
+    out = logits(model(example) if not isinstance(example, dict) else model(**example))
+    (out.float() * torch.linspace(-1, 1, out.shape[-1])).square().sum().backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def assert_grads_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], rtol: float = 1e-4) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        scale = a[name].abs().max().clamp_min(1e-6)
+        torch.testing.assert_close(b[name], a[name], rtol=rtol, atol=rtol * scale, msg=name)
+
+
+def assert_same_outputs(a: nn.Module, b: nn.Module, example, tol: float = 1e-4) -> None:
+    with torch.no_grad():
+        ya, yb = logits(a.eval()(example)), logits(b.eval()(example))
+    torch.testing.assert_close(yb, ya, rtol=tol, atol=tol * ya.abs().max().item())
+
+
+def saved(model: nn.Module, example, autocast: bool) -> int:
+    model.train()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), SavedTensorMeter(model) as meter:
+        logits(model(example)).float().sum().backward()
+    return meter.total_bytes
+
+
+def stock_twin(build, model: nn.Module) -> nn.Module:
+    """A fresh unconverted model of the same architecture, loaded strictly from ``model``."""
+    fresh = build()
+    fresh.load_state_dict(model.state_dict(), strict=True)
+    return fresh
+
+
+# -- timm ViT --------------------------------------------------------------------------------
+VIT_SETTINGS = {"full": None, "lora_qkv": ["qkv"], "lora_all": ["qkv", "proj", "fc1", "fc2"]}
+
+
+@pytest.mark.parametrize("setting", list(VIT_SETTINGS))
+def test_vit(setting):
+    build = lambda: tiny_vit(VIT_SETTINGS[setting])  # noqa: E731
+    stock, x = build(), image()
+    model, report = converted(stock, x)
+    assert isinstance(model.get_submodule(prefix(model) + "blocks.0.mlp.act"), ReGELU2)
+    for block in ("blocks.0", "blocks.1"):
+        for norm in ("norm1", "norm2"):
+            assert report.status(prefix(model) + f"{block}.{norm}") == "converted"
+    assert report.status(prefix(model) + "norm") == "left alone"  # feeds token pooling, not a linear
+    assert_same_outputs(stock, model, x)
+    # every trainable parameter's gradient matches when only the norms change
+    norm_only, _ = converted(stock, x, activation=False)
+    assert_grads_close(grads(stock, x), grads(norm_only, x))
+    # with the approximate (2-bit) activation derivative, gradients still point the same way
+    flat = lambda g: torch.cat([v.flatten() for v in g.values()])  # noqa: E731
+    assert F.cosine_similarity(flat(grads(stock, x)), flat(grads(model, x)), dim=0) > 0.7
+    # checkpoints are interchangeable with the stock architecture, both ways
+    assert_same_outputs(stock_twin(build, model), model, x)
+    model.load_state_dict(stock.state_dict(), strict=True)
+    for autocast in (False, True):
+        assert saved(model, x, autocast) < 0.8 * saved(stock, x, autocast)
+
+
+def prefix(model: nn.Module) -> str:
+    return "base_model.model." if isinstance(model, peft.PeftModel) else ""
+
+
+def test_vit_lora_fa_and_lora_gradients():
+    stock = tiny_vit(["qkv", "fc1"])
+    for name, param in stock.named_parameters():
+        if "lora_A" in name:
+            param.requires_grad_(False)  # LoRA-FA: A frozen, B trained
+    x = image()
+    model, report = converted(stock, x, activation=False)
+    assert report.status("base_model.model.blocks.0.norm1") == "converted"
+    g_stock, g_model = grads(stock, x), grads(model, x)
+    assert all("lora_B" in n for n in g_stock)
+    assert_grads_close(g_stock, g_model)
+
+
+def test_lora_dropout_breaks_sharing_and_is_reported():
+    stock = tiny_vit(["qkv"], dropout=0.1)
+    model, report = converted(stock, image(), activation=False)
+    entry = next(e for e in report.entries if e.name == "base_model.model.blocks.0.norm1")
+    assert entry.status == "left alone" and "LoRA dropout" in entry.detail
+    assert report.status("base_model.model.blocks.0.norm2") == "converted"  # fc1 has no LoRA
+    torch.manual_seed(1)
+    g_stock = grads(stock, image())
+    torch.manual_seed(1)
+    assert_grads_close(g_stock, grads(model, image()))
+
+
+def test_autocast_shares_norm_output_and_saves_no_weight_copy():
+    stock = tiny_vit()
+    model, _ = converted(stock, image())
+    model.train()
+    with torch.autocast("cpu", dtype=torch.bfloat16), SavedTensorMeter(model) as meter:
+        out = model(image())
+    weight_shapes = {tuple(p.shape) for p in model.parameters() if p.dim() == 2}
+    half_records = [r for r in meter.records if r.dtype == torch.bfloat16]
+    assert not [r for r in half_records if r.shape in weight_shapes]
+    assert not [r for r in meter.records if r.module.endswith(("qkv", "fc1"))]  # input shared with the norm
+    out.float().sum().backward()
+
+
+# -- timm model with norms that must not be converted ----------------------------------------
+def test_swin_roll_keeps_norm1():
+    build = lambda: timm.create_model(  # noqa: E731
+        "swin_tiny_patch4_window7_224", pretrained=False, img_size=56, embed_dim=16,
+        depths=(1, 1), num_heads=(1, 2), window_size=7, num_classes=4,
+    )  # fmt: skip
+    stock, x = build(), torch.randn(2, 3, 56, 56)
+    model, report = converted(stock, x)
+    by_name = {e.name: e for e in report.entries}
+    assert by_name["layers.0.blocks.0.norm1"].status == "left alone"
+    assert "output reaches" in by_name["layers.0.blocks.0.norm1"].detail
+    assert by_name["layers.0.blocks.0.norm2"].status == "converted"
+    assert_same_outputs(stock, model, x)
+    assert_grads_close(grads(stock, x), grads(converted(stock, x, activation=False)[0], x))
+    stock_twin(build, model)
+
+
+# -- Hugging Face ---------------------------------------------------------------------------
+def test_llama_lora():
+    torch.manual_seed(0)
+    stock, x = tiny_llama(), tokens()
+    model, report = converted(stock, x)
+    base = "base_model.model.model."
+    assert report.status(base + "layers.0.input_layernorm") == "converted"
+    assert report.status(base + "layers.0.post_attention_layernorm") == "converted"
+    assert report.status(base + "norm") == "left alone"  # sliced before lm_head
+    assert isinstance(model.get_submodule(base + "layers.0.mlp.act_fn"), ReSiLU2)
+    detail = next(e.detail for e in report.entries if e.name == base + "layers.0.input_layernorm")
+    assert all(f"self_attn.{p}_proj" in detail for p in "qkv")
+    assert_same_outputs(stock, model, x)
+    assert_grads_close(grads(stock, x), grads(converted(stock, x, activation=False)[0], x))
+    torch.manual_seed(0)
+    assert_same_outputs(stock_twin(tiny_llama, model), model, x)
+    for autocast in (False, True):
+        assert saved(model, x, autocast) < 0.9 * saved(stock, x, autocast)
+
+
+def test_bert_post_ln_norms_stay_and_gelu_converts():
+    stock, x = tiny_bert(), tokens()
+    model, report = converted(stock, x)
+    base = "base_model.model.bert."
+    assert report.status(base + "encoder.layer.0.intermediate.intermediate_act_fn") == "converted"
+    assert report.status(base + "encoder.layer.0.attention.output.LayerNorm") == "left alone"
+    assert report.status(base + "embeddings.LayerNorm") == "left alone"
+    assert not any(isinstance(m, DeferredAffineNorm) for m in model.modules())
+    assert_same_outputs(stock, model, x)
+    torch.manual_seed(0)
+    assert_same_outputs(stock_twin(tiny_bert, model), model, x)
+    assert saved(model, x, False) < saved(stock, x, False)
+
+
+# -- custom model, options, errors ----------------------------------------------------------
+def test_custom_model():
+    stock, x = Custom(), torch.randn(4, 8, 32)
+    model, report = converted(stock, x)
+    assert report.status("norm_a") == "converted" and report.status("norm_b") == "converted"
+    assert report.status("norm_c") == "left alone"  # residual add
+    assert model.act is model.acts[1] and isinstance(model.act, ReGELU2)  # shared module, replaced everywhere
+    assert model.act.approximate == "tanh" and isinstance(model.acts[0], ReSiLU2)
+    functional = [e for e in report.entries if e.kind == "functional"]
+    assert [(e.name, e.was) for e in functional] == [("<root>", "F.silu")]
+    assert isinstance(model.up, LowMemLinear) and model.up.norm is model.norm_a
+    assert_same_outputs(stock, model, x)
+    assert_grads_close(grads(stock, x), grads(converted(stock, x, activation=False)[0], x))
+    assert_same_outputs(stock_twin(Custom, model), model, x)
+    assert "norm_c" in report.table() and "residual" not in report.summary()
+
+
+def test_idempotent_and_no_example():
+    stock, x = Custom(), torch.randn(2, 4, 32)
+    model, _ = converted(stock, x)
+    structure, state = repr(model), copy.deepcopy(model.state_dict())
+    again = apply_lowmem(model, example_input=x)
+    assert repr(model) == structure and not again.converted and again.linears == 0
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+    _, blind = converted(stock, None)
+    assert blind.status("norm_a") == "left alone" and blind.status("act") == "converted"
+    assert blind.saved_bytes_before is None
+
+
+def test_include_exclude_and_bad_options():
+    stock, x = Custom(), torch.randn(2, 4, 32)
+    _, report = converted(stock, x, exclude=["norm_a", "acts.*"])
+    assert report.status("norm_b") == "converted"
+    assert "norm_a" not in {e.name for e in report.entries}
+    _, report = converted(stock, x, include="norm_*", activation=False)
+    assert {e.name for e in report.converted} == {"norm_a", "norm_b"}
+    _, report = converted(stock, x, exclude="up")  # a consumer excluded: its norm stays
+    assert report.status("norm_a") == "left alone"
+    with pytest.raises(ValueError, match="matches no module"):
+        apply_lowmem(Custom(), include="nope.*")
+    with pytest.raises(ValueError, match="activation must be"):
+        apply_lowmem(Custom(), activation="fast")
+
+
+def test_rejects_lookalikes():
+    class QuickGELU(nn.Module):
+        def forward(self, x):
+            return x * torch.sigmoid(1.702 * x)
+
+    class GemmaRMSNorm(nn.Module):
+        def __init__(self, dim):
+            super().__init__()
+            self.weight, self.eps = nn.Parameter(torch.zeros(dim)), 1e-6
+
+        def forward(self, x):
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * (1 + self.weight)
+
+    model = nn.Sequential(GemmaRMSNorm(16), nn.Linear(16, 16), QuickGELU())
+    report = apply_lowmem(model, example_input=torch.randn(2, 16))
+    assert [e.status for e in report.entries] == ["left alone", "left alone"]
+    assert "QuickGELU" in report.entries[1].detail or "neither" in report.entries[1].detail
+
+
+def test_failed_verification_rolls_back(monkeypatch):
+    model, x = Custom(), torch.randn(2, 4, 32)
+    structure = repr(model)
+
+    def mismatch(before, after):
+        raise RuntimeError("output 0 of the converted model differs")
+
+    monkeypatch.setattr(apply_module, "_check_same", mismatch)
+    with pytest.raises(RuntimeError, match="differs"):
+        apply_lowmem(model, example_input=x)
+    assert repr(model) == structure and type(model.up) is nn.Linear
+
+
+def test_peft_input_cast_is_switched_off():
+    model, _ = converted(tiny_vit(["qkv"]), image())
+    assert model.base_model.model.blocks[0].attn.qkv.cast_input_dtype_enabled is False
+    assert model.base_model.model.blocks[0].mlp.fc1.__class__ is LowMemLinear
+
+
+def test_torch_compile():
+    model, _ = converted(Custom(), torch.randn(2, 4, 32))
+    x = torch.randn(2, 4, 32, requires_grad=True)
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=False)
+    torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-5)
+    compiled(x).sum().backward()
+    assert model.up.weight.grad is not None and x.grad is not None
