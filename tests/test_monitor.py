@@ -84,7 +84,10 @@ def test_figures_reach_every_logger_and_the_summary(tmp_path):
 
 def test_exceeding_a_budget_fails_the_run_naming_metric_budget_and_value(tmp_path):
     monitor = PeakMemoryMonitor(activation_every_n_steps=1, budget_mib={"activation": 0.001})
-    with pytest.raises(MemoryBudgetExceeded, match=r"peak_memory/train_activation_mib = \d+\.\d\d MiB exceeds its budget of 0\.001 MiB \(epoch 0\)"):
+    with pytest.raises(
+        MemoryBudgetExceeded,
+        match=r"peak_memory/train_activation_mib = \d+\.\d\d MiB exceeds its budget of 0\.001 MiB \(epoch 0\)",
+    ):
         fit(tmp_path, monitor, logger=False)
     assert (tmp_path / "peak_memory.json").exists()  # the summary is written before failing
 

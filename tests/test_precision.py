@@ -17,6 +17,7 @@ from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.strategies import FSDPStrategy
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
+from typing_extensions import Self
 
 from lightning_lowmem import LowMemPrecision
 from lightning_lowmem.lightning.precision import is_norm
@@ -62,7 +63,7 @@ class SavedByModule:
             self.saved[self._stack[-1]].add(t.untyped_storage().data_ptr())
         return t
 
-    def __enter__(self) -> SavedByModule:
+    def __enter__(self) -> Self:
         for name, module in self.model.named_children():
             self._handles.append(module.register_forward_pre_hook(lambda m, a, n=name: self._stack.append(n)))
             self._handles.append(module.register_forward_hook(lambda m, a, out, n=name: self._leave(n, out)))
@@ -170,7 +171,9 @@ def test_fp16_grad_scaler_is_used():
 
 
 def test_precision_flag_and_plugin_together_is_lightnings_error():
-    with pytest.raises(ValueError, match=r"Received both `precision=bf16-mixed` and `plugins=LowMemPrecision\('16-true'\)`"):
+    with pytest.raises(
+        ValueError, match=r"Received both `precision=bf16-mixed` and `plugins=LowMemPrecision\('16-true'\)`"
+    ):
         pl.Trainer(accelerator="cpu", precision="bf16-mixed", plugins=[LowMemPrecision("16-true")])
 
 
@@ -233,13 +236,17 @@ class PreNorm(pl.LightningModule):
         h = x + self.inp(x)
         return h + self.fc2(self.act(self.fc1(self.norm(h))))
 
-    training_step, configure_optimizers, train_dataloader = Block.training_step, Block.configure_optimizers, Block.train_dataloader
+    training_step, configure_optimizers, train_dataloader = (
+        Block.training_step,
+        Block.configure_optimizers,
+        Block.train_dataloader,
+    )
 
 
 @pytest.mark.parametrize("precision", list(MODES))
 def test_surgery_norm_shares_with_its_consumer_in_a_trainer_step(precision):
     """After apply_lowmem the norm's affine lives in fp32 and its saved output is what fc1 saves."""
-    compute_dtype, autocast = MODES[precision]
+    compute_dtype, _ = MODES[precision]
     model = PreNorm()
     apply_lowmem(model, example_input=torch.randn(4, 4, D))
     fit(model, LowMemPrecision(precision))

@@ -85,7 +85,9 @@ class PeakMemoryMonitor(Callback):
                     f"PeakMemoryMonitor: unknown budget {name!r}; budgets can be set for {', '.join(METRICS)}"
                 )
             if not isinstance(value, (int, float)) or value <= 0:
-                raise MisconfigurationException(f"PeakMemoryMonitor: budget {name!r} must be a positive number of MiB, got {value!r}")
+                raise MisconfigurationException(
+                    f"PeakMemoryMonitor: budget {name!r} must be a positive number of MiB, got {value!r}"
+                )
         if plot and not _MATPLOTLIB_AVAILABLE:
             rank_zero_warn("PeakMemoryMonitor(plot=True): matplotlib is not installed, no plot will be written")
         self.activation_every_n_steps = activation_every_n_steps
@@ -108,7 +110,9 @@ class PeakMemoryMonitor(Callback):
         self._activation_bytes = 0
         self._reset(pl_module.device)
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if self.activation_every_n_steps and batch_idx % self.activation_every_n_steps == 0:
             self._meter = SavedTensorMeter(pl_module).__enter__()
 
@@ -191,14 +195,18 @@ class PeakMemoryMonitor(Callback):
             figures["cpu_rss"] = rss / MIB
         return figures
 
-    def _log(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str, figures: dict[str, float]) -> dict[str, float]:
+    def _log(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str, figures: dict[str, float]
+    ) -> dict[str, float]:
         """Log the max across ranks of each figure; return those maxima."""
         names = sorted(figures)
         local = torch.tensor([figures[name] for name in names], dtype=torch.float64, device=pl_module.device)
         values = trainer.strategy.reduce(local, reduce_op="max").tolist() if names else []
         result = {name: round(value, 3) for name, value in zip(names, values)}
         for name, value in result.items():
-            pl_module.log(f"peak_memory/{stage}_{name}_mib", value, on_step=False, on_epoch=True, sync_dist=True, reduce_fx="max")
+            pl_module.log(
+                f"peak_memory/{stage}_{name}_mib", value, on_step=False, on_epoch=True, sync_dist=True, reduce_fx="max"
+            )
         return result
 
     def _check_budget(self, stage: str, figures: dict[str, float], epoch: int) -> None:
@@ -237,7 +245,9 @@ class PeakMemoryMonitor(Callback):
         import matplotlib.pyplot as plt
 
         fig, ax = plt.subplots(figsize=(6, 4))
-        series = sorted({(stage, name) for row in self.history for stage in ("train", "val") for name in row.get(stage, {})})
+        series = sorted(
+            {(stage, name) for row in self.history for stage in ("train", "val") for name in row.get(stage, {})}
+        )
         for stage, name in series:
             points = [(row["epoch"], row[stage][name]) for row in self.history if name in row.get(stage, {})]
             ax.plot(*zip(*points), marker="o", label=f"{stage} {name}")

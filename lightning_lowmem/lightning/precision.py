@@ -11,8 +11,9 @@ then the very storage the linears save.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import Any, Callable, Literal, get_args
+from typing import Any, Literal, get_args
 from weakref import WeakKeyDictionary
 
 import torch
@@ -42,9 +43,7 @@ _OUTPUT_HOOKS: WeakKeyDictionary[nn.Module, RemovableHandle] = WeakKeyDictionary
 def is_norm(module: nn.Module) -> bool:
     """A torch normalization layer (or subclass), a memory-sharing norm, or any module whose
     class name ends in ``Norm`` (``LlamaRMSNorm``, timm ``RmsNorm``, ``T5LayerNorm``, ...)."""
-    return isinstance(module, (*_TORCH_NORMS, *_MEMORY_SHARING_NORMS)) or bool(
-        _NORM_NAME.search(type(module).__name__)
-    )
+    return isinstance(module, (*_TORCH_NORMS, *_MEMORY_SHARING_NORMS)) or bool(_NORM_NAME.search(type(module).__name__))
 
 
 class LowMemPrecision(Precision):
@@ -192,7 +191,7 @@ class LowMemPrecision(Precision):
     def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
         return self._base.optimizer_step(optimizer, model, closure, **kwargs)
 
-    def clip_gradients(self, optimizer: Any, clip_val: int | float = 0.0, gradient_clip_algorithm: Any = None) -> None:
+    def clip_gradients(self, optimizer: Any, clip_val: float = 0.0, gradient_clip_algorithm: Any = None) -> None:
         kwargs = {} if gradient_clip_algorithm is None else {"gradient_clip_algorithm": gradient_clip_algorithm}
         self._base.clip_gradients(optimizer, clip_val, **kwargs)
 

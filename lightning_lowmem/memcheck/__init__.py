@@ -161,7 +161,11 @@ def load_baseline(path: str | Path) -> dict[str, int]:
 def write_baseline(path: str | Path, figures: dict[str, int]) -> None:
     """Write (or merge into) the baseline; entries not measured now are kept."""
     cases = {name: {"saved_bytes": nbytes} for name, nbytes in {**load_baseline(path), **figures}.items()}
-    data = {"unit": "bytes saved for backward by one training forward (CPU)", "torch": torch.__version__, "cases": dict(sorted(cases.items()))}
+    data = {
+        "unit": "bytes saved for backward by one training forward (CPU)",
+        "torch": torch.__version__,
+        "cases": dict(sorted(cases.items())),
+    }
     Path(path).write_text(json.dumps(data, indent=2) + "\n")
 
 

@@ -20,9 +20,13 @@ def _load_cases(spec: str) -> list[Case]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m lightning_lowmem.memcheck", description=__doc__)
-    parser.add_argument("--cases", default="lightning_lowmem.memcheck.cases:CASES", help="module:attribute holding a list of Case")
+    parser.add_argument(
+        "--cases", default="lightning_lowmem.memcheck.cases:CASES", help="module:attribute holding a list of Case"
+    )
     parser.add_argument("--baseline", default=str(BASELINE), help="baseline JSON file (default: the project's)")
-    parser.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE, help="allowed relative growth (default 0.01)")
+    parser.add_argument(
+        "--tolerance", type=float, default=DEFAULT_TOLERANCE, help="allowed relative growth (default 0.01)"
+    )
     parser.add_argument("--only", default="*", help="measure only the cases whose name matches this glob")
     parser.add_argument("--update", action="store_true", help="rewrite the baseline with the figures measured now")
     args = parser.parse_args(argv)
