@@ -1,0 +1,151 @@
+"""LowMemBP in real Lightning runs: when the surgery happens, checkpoints, repeated runs, DDP."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_lowmem.lightning import LowMemBP
+from lightning_lowmem.surgery import DeferredAffineNorm, LowMemLinear
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def block(dim: int = 16) -> nn.Module:
+    return nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, 4))
+
+
+class Module(pl.LightningModule):
+    """A tiny pre-norm MLP, built in ``__init__`` or (``late=True``) in ``configure_model``."""
+
+    def __init__(self, late: bool = False) -> None:
+        super().__init__()
+        self.late = late
+        self.net = None if late else block()
+        self.example_input_array = torch.randn(2, 16)
+        self.optimized: list[nn.Parameter] = []
+
+    def configure_model(self) -> None:
+        if self.net is None:
+            self.net = block()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.cross_entropy(self(x), y)
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self.training_step(batch, batch_idx))
+
+    def test_step(self, batch, batch_idx):
+        self.validation_step(batch, batch_idx)
+
+    def configure_optimizers(self):
+        assert isinstance(self.net[1], LowMemLinear), "optimizers must be created after the surgery"
+        self.optimized = list(self.parameters())
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def loader() -> DataLoader:
+    data = TensorDataset(torch.randn(16, 16), torch.randint(0, 4, (16,)))
+    return DataLoader(data, batch_size=4)
+
+
+def trainer(tmp_path: Path, **kwargs) -> pl.Trainer:
+    options = dict(
+        accelerator="cpu", devices=1, max_steps=2, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, default_root_dir=tmp_path, callbacks=[LowMemBP()],
+    )  # fmt: skip
+    return pl.Trainer(**{**options, **kwargs})
+
+
+@pytest.mark.parametrize("late", [False, True], ids=["init", "configure_model"])
+def test_converts_before_optimizers_and_prints_once(tmp_path, late, caplog):
+    model = Module(late=late)
+    t = trainer(tmp_path)
+    with caplog.at_level("INFO"):
+        t.fit(model, loader(), loader())
+    callback = t.callbacks[0] if isinstance(t.callbacks[0], LowMemBP) else None
+    report = callback.report
+    assert report.status("net.0") == "converted" and report.status("net.2") == "converted"
+    assert isinstance(model.net[0], DeferredAffineNorm) and model.net[1].norm is model.net[0]
+    assert report.saved_bytes_after < report.saved_bytes_before
+    assert sum("LowMemBP:" in r.getMessage() for r in caplog.records) == 1
+    assert "configure_model" not in model.__dict__  # the hook patch is gone
+    # repeated runs: validate/test/fit again change nothing and do not print again
+    structure = repr(model)
+    t.validate(model, loader())
+    t.test(model, loader())
+    trainer(tmp_path, callbacks=[callback]).fit(model, loader())
+    assert repr(model) == structure and callback.report is report
+    assert sum("LowMemBP:" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_checkpoint_resume_and_stock_load(tmp_path):
+    model = Module()
+    t = trainer(tmp_path, max_steps=2)
+    t.fit(model, loader())
+    ckpt = tmp_path / "step2.ckpt"
+    t.save_checkpoint(ckpt)
+    # the checkpoint loads strictly into the stock architecture and computes the same function
+    stock = block()
+    stock.load_state_dict({k.removeprefix("net."): v for k, v in torch.load(ckpt)["state_dict"].items()})
+    x = torch.randn(3, 16)
+    torch.testing.assert_close(stock(x), model.eval()(x))
+    # resume through Lightning: weights and optimizer state restored into the converted model
+    resumed = Module()
+    t2 = trainer(tmp_path, max_steps=4)
+    t2.fit(resumed, loader(), ckpt_path=ckpt)
+    assert t2.global_step == 4 and isinstance(resumed.net[0], DeferredAffineNorm)
+
+
+DDP_SCRIPT = """
+import json, sys, torch
+import lightning.pytorch as pl
+sys.path.insert(0, {tests!r})
+from test_callback_lowmem_bp import Module, loader
+from lightning_lowmem.lightning import LowMemBP
+from lightning_lowmem.surgery import DeferredAffineNorm
+
+callback = LowMemBP()
+trainer = pl.Trainer(accelerator="cpu", strategy="ddp", devices=2, max_steps=3, logger=False,
+                     enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                     callbacks=[callback], default_root_dir={root!r})
+torch.manual_seed(0)
+model = Module()
+trainer.fit(model, loader())
+weights = torch.cat([p.detach().flatten() for p in model.parameters()])
+gathered = trainer.strategy.all_gather(weights)
+if trainer.global_rank == 0:
+    json.dump({{"converted": [e.name for e in callback.report.converted],
+               "norm": isinstance(model.net[0], DeferredAffineNorm),
+               "ranks_equal": bool(torch.equal(gathered[0], gathered[1])),
+               "steps": trainer.global_step}}, open({out!r}, "w"))
+"""
+
+
+def test_ddp_cpu_two_processes(tmp_path):
+    out = tmp_path / "ddp.json"
+    script = tmp_path / "ddp_run.py"
+    script.write_text(textwrap.dedent(DDP_SCRIPT.format(tests=str(REPO / "tests"), root=str(tmp_path), out=str(out))))
+    env = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}
+    subprocess.run([sys.executable, str(script)], check=True, cwd=tmp_path, env={**env, **_passthrough()}, timeout=300)
+    result = json.loads(out.read_text())
+    assert result == {"converted": ["net.0", "net.2"], "norm": True, "ranks_equal": True, "steps": 3}
+
+
+def _passthrough() -> dict[str, str]:
+    import os
+
+    return {k: v for k, v in os.environ.items() if k.startswith(("LIGHTNING_LOWMEM", "HOME", "TMP"))}
