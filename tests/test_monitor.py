@@ -13,7 +13,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
 
 from lightning_lowmem import PeakMemoryMonitor
-from lightning_lowmem.lightning import MemoryBudgetExceeded
+from lightning_lowmem.lightning import LowMemBP, LowMemPrecision, MemoryBudgetExceeded
 from lightning_lowmem.memory import SavedTensorMeter
 from lightning_lowmem.memory.saved_tensors import MIB
 
@@ -105,3 +105,43 @@ def test_bad_arguments_are_refused():
         PeakMemoryMonitor(budget_mib={"activation": -1})
     with pytest.raises(MisconfigurationException, match="activation_every_n_steps"):
         PeakMemoryMonitor(activation_every_n_steps=-1)
+
+
+class PreNormMLP(pl.LightningModule):
+    """Two pre-norm MLP blocks on a residual stream, with an example input for LowMemBP's probe."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(64), nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64)) for _ in range(2)
+        )
+        self.example_input_array = torch.randn(4, 16, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + block(x)
+        return x
+
+    def training_step(self, batch, batch_idx):
+        return self(batch).float().pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.randn(8, 16, 64), batch_size=4)
+
+
+def test_lowmem_bp_and_precision_show_in_the_logged_activation(tmp_path):
+    """The whole stack in one Trainer: LowMemBP + LowMemPrecision, measured by the monitor."""
+    logged = {}
+    for name, callbacks in (("stock", []), ("lowmem", [LowMemBP(verify=False, measure=False)])):
+        monitor = PeakMemoryMonitor(activation_every_n_steps=1)
+        trainer = pl.Trainer(
+            accelerator="cpu", max_steps=2, default_root_dir=tmp_path / name, logger=False,
+            callbacks=[*callbacks, monitor], plugins=[LowMemPrecision("bf16-mixed")],
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        )  # fmt: skip
+        trainer.fit(PreNormMLP())
+        logged[name] = trainer.callback_metrics["peak_memory/train_activation_mib"].item()
+    assert logged["lowmem"] < 0.6 * logged["stock"], logged
