@@ -6,8 +6,19 @@ Memory-Sharing Backpropagation" (ICML 2024).
 """
 
 from lightning_lowmem import functional, kernels, memory, nn
-from lightning_lowmem.lightning import LowMemPrecision, PeakMemoryMonitor
+from lightning_lowmem.lightning import LowMemBP, LowMemPrecision, PeakMemoryMonitor
+from lightning_lowmem.surgery import LowMemReport, apply_lowmem
 
 __version__ = "0.1.0"
 
-__all__ = ["LowMemPrecision", "PeakMemoryMonitor", "functional", "kernels", "memory", "nn"]
+__all__ = [
+    "LowMemBP",
+    "LowMemPrecision",
+    "LowMemReport",
+    "PeakMemoryMonitor",
+    "apply_lowmem",
+    "functional",
+    "kernels",
+    "memory",
+    "nn",
+]
