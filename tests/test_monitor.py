@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import csv
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
@@ -18,6 +22,7 @@ from lightning_lowmem.memory import SavedTensorMeter
 from lightning_lowmem.memory.saved_tensors import MIB
 
 BATCH = torch.randn(8, 32)
+REPO = str(Path(__file__).resolve().parents[1])
 
 
 class MLP(pl.LightningModule):
@@ -145,3 +150,51 @@ def test_lowmem_bp_and_precision_show_in_the_logged_activation(tmp_path):
         trainer.fit(PreNormMLP())
         logged[name] = trainer.callback_metrics["peak_memory/train_activation_mib"].item()
     assert logged["lowmem"] < 0.6 * logged["stock"], logged
+
+
+DDP_SCRIPT = """
+import json, sys, torch
+import lightning.pytorch as pl
+from torch import nn
+from lightning_lowmem import PeakMemoryMonitor
+from lightning_lowmem.memory.saved_tensors import MIB
+
+
+class Uneven(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Linear(32, 32)
+
+    def training_step(self, batch, batch_idx):
+        h = self.net(batch)
+        if self.global_rank == 1:
+            h = h.exp() * h  # rank 1 saves more for backward
+        return h.pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+monitor = PeakMemoryMonitor(activation_every_n_steps=1)
+trainer = pl.Trainer(accelerator="cpu", strategy="ddp", devices=2, max_epochs=1, logger=False,
+                     enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                     callbacks=[monitor], default_root_dir={root!r})
+trainer.fit(Uneven(), torch.utils.data.DataLoader(torch.randn(16, 32), batch_size=4))
+local = trainer.strategy.all_gather(torch.tensor(monitor._activation_bytes / MIB))
+if trainer.global_rank == 0:
+    json.dump({{"logged": trainer.callback_metrics["peak_memory/train_activation_mib"].item(),
+               "summary": monitor.history[0]["train"]["activation"], "per_rank": local.tolist()}}, open({out!r}, "w"))
+"""
+
+
+def test_ddp_logs_the_max_across_ranks(tmp_path):
+    out, script = tmp_path / "ddp.json", tmp_path / "ddp_run.py"
+    script.write_text(DDP_SCRIPT.format(root=str(tmp_path), out=str(out)))
+    env = {k: v for k, v in os.environ.items() if k.startswith(("LIGHTNING_LOWMEM", "HOME", "TMP", "PATH"))}
+    subprocess.run(
+        [sys.executable, str(script)], check=True, cwd=tmp_path, env={**env, "PYTHONPATH": REPO}, timeout=300
+    )
+    result = json.loads(out.read_text())
+    rank0, rank1 = result["per_rank"]
+    assert rank1 > rank0
+    assert result["logged"] == pytest.approx(rank1, abs=1e-3) and result["summary"] == pytest.approx(rank1, abs=1e-3)
