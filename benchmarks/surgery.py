@@ -23,6 +23,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import interleaved_median, markdown_table, write_section  # noqa: E402
+from lightning_lowmem import kernels  # noqa: E402
 from lightning_lowmem.memory import SavedTensorMeter  # noqa: E402
 from lightning_lowmem.surgery import apply_lowmem  # noqa: E402
 
@@ -122,7 +123,8 @@ def main() -> None:
         "stock model vs the same model after `apply_lowmem` (ReGELU2/ReSiLU2, memory-sharing norms "
         "with the affine applied by the consumer linears, weights recast in backward). LoRA: peft "
         "r=4, dropout 0. Step time ratio: whole training step (forward, backward, AdamW), lowmem / "
-        f"stock, interleaved median of {repeats} in the same process (CPU: indicative only).\n\n"
+        f"stock, interleaved median of {repeats} in the same process (CPU: indicative only); "
+        f"kernel backend `{kernels.backend()}`.\n\n"
         + markdown_table(header, rows)
     )
     write_section("surgery", body, "python benchmarks/surgery.py" + (" --quick" if args.quick else ""))

@@ -149,3 +149,49 @@ def _passthrough() -> dict[str, str]:
     import os
 
     return {k: v for k, v in os.environ.items() if k.startswith(("LIGHTNING_LOWMEM", "HOME", "TMP"))}
+
+
+class Arch(pl.LightningModule):
+    """A real architecture (random init, peft LoRA) trained through Lightning."""
+
+    def __init__(self, arch: str) -> None:
+        super().__init__()
+        from test_surgery import image, tiny_llama, tiny_vit, tokens
+
+        self.arch = arch
+        self.net = tiny_vit(["qkv", "fc1"]) if arch == "vit" else tiny_llama()
+        self.example_input_array = image() if arch == "vit" else tokens()
+
+    def forward(self, x):
+        out = self.net(x)
+        return out.logits if hasattr(out, "logits") else out
+
+    def training_step(self, batch, batch_idx):
+        return self(batch[0]).float().square().mean()
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-3)
+
+
+@pytest.mark.parametrize("arch", ["vit", "llama"])
+def test_real_architectures_fit_checkpoint_resume(tmp_path, arch):
+    torch.manual_seed(0)
+    model = Arch(arch)
+    inputs = torch.randn(8, 3, 32, 32) if arch == "vit" else torch.randint(0, 128, (8, 16))
+    data = DataLoader(TensorDataset(inputs), batch_size=4)
+    t = trainer(tmp_path, precision="bf16-mixed")
+    t.fit(model, data)
+    report = t.callbacks[0].report
+    assert sum(isinstance(m, DeferredAffineNorm) for m in model.modules()) == 4
+    assert report.saved_bytes_after < 0.8 * report.saved_bytes_before
+    ckpt = tmp_path / "arch.ckpt"
+    t.save_checkpoint(ckpt)
+    torch.manual_seed(0)
+    stock = Arch(arch)
+    stock.load_state_dict(torch.load(ckpt)["state_dict"], strict=True)
+    x = model.example_input_array
+    torch.testing.assert_close(model.eval()(x), stock.eval()(x), rtol=1e-4, atol=1e-4)
+    resumed = Arch(arch)
+    t2 = trainer(tmp_path, max_steps=3, precision="bf16-mixed")
+    t2.fit(resumed, data, ckpt_path=ckpt)
+    assert t2.global_step == 3
