@@ -14,6 +14,7 @@ import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning_utilities.core.imports import RequirementCache
 from torch import nn
 
 from lightning_lowmem import PeakMemoryMonitor
@@ -55,36 +56,53 @@ def fit(tmp_path, monitor: PeakMemoryMonitor, epochs: int = 2, **kwargs) -> pl.T
     return trainer
 
 
-def test_figures_reach_every_logger_and_the_summary(tmp_path):
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+NAMES = ["peak_memory/train_activation_mib", "peak_memory/train_cpu_rss_mib", "peak_memory/val_cpu_rss_mib"]
 
-    monitor = PeakMemoryMonitor(activation_every_n_steps=1, validation=True, module_table=True, plot=True)
-    csv_logger, tb_logger = CSVLogger(tmp_path, name="csv"), TensorBoardLogger(tmp_path, name="tb")
-    trainer = fit(tmp_path, monitor, logger=[csv_logger, tb_logger])
 
-    names = ["peak_memory/train_activation_mib", "peak_memory/train_cpu_rss_mib", "peak_memory/val_cpu_rss_mib"]
+def step_activation_mib() -> float:
     model = MLP()
     with SavedTensorMeter(model) as meter:
         model.training_step(BATCH, 0)
-    assert trainer.callback_metrics[names[0]].item() == pytest.approx(meter.peak_bytes / MIB, abs=1e-3)
-    assert all(trainer.callback_metrics[name] > 0 for name in names)
+    return meter.peak_bytes / MIB
+
+
+def test_figures_reach_csv_callback_metrics_and_the_summary(tmp_path):
+    monitor = PeakMemoryMonitor(activation_every_n_steps=1, validation=True, module_table=True)
+    csv_logger = CSVLogger(tmp_path, name="csv")
+    trainer = fit(tmp_path, monitor, logger=csv_logger)
+
+    expected = step_activation_mib()
+    assert trainer.callback_metrics[NAMES[0]].item() == pytest.approx(expected, abs=1e-3)
+    assert all(trainer.callback_metrics[name] > 0 for name in NAMES)
 
     with open(f"{csv_logger.log_dir}/metrics.csv") as f:
         rows = list(csv.DictReader(f))
-    for name in names:
-        assert [row[name] for row in rows if row[name]] and len({row["epoch"] for row in rows if row[name]}) == 2
+    for name in NAMES:
+        assert len({row["epoch"] for row in rows if row[name]}) == 2, f"{name} not logged once per epoch"
 
-    events = EventAccumulator(tb_logger.log_dir)
-    events.Reload()
-    assert set(names) <= set(events.Tags()["scalars"])
-
-    summary = json.loads((tmp_path / "csv" / "version_0" / "peak_memory.json").read_text())
+    summary = json.loads((Path(csv_logger.log_dir) / "peak_memory.json").read_text())
     assert [row["epoch"] for row in summary["epochs"]] == [0, 1]
-    assert summary["epochs"][0]["train"]["activation"] == pytest.approx(meter.peak_bytes / MIB, abs=1e-3)
+    assert summary["epochs"][0]["train"]["activation"] == pytest.approx(expected, abs=1e-3)
     assert "cpu_rss" in summary["epochs"][1]["val"]
     assert summary["cpu_rss_reset_per_stage"] is True  # Linux: /proc/self/clear_refs
     assert "net.0" in summary["modules_first_epoch_mib"]
-    assert (tmp_path / "csv" / "version_0" / "peak_memory.png").stat().st_size > 0
+
+
+@pytest.mark.skipif(not RequirementCache("tensorboard"), reason="needs tensorboard")
+def test_figures_reach_tensorboard(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tb_logger = TensorBoardLogger(tmp_path, name="tb")
+    fit(tmp_path, PeakMemoryMonitor(activation_every_n_steps=1, validation=True), logger=tb_logger)
+    events = EventAccumulator(tb_logger.log_dir)
+    events.Reload()
+    assert set(NAMES) <= set(events.Tags()["scalars"])
+
+
+@pytest.mark.skipif(not RequirementCache("matplotlib"), reason="needs matplotlib")
+def test_plot_per_epoch(tmp_path):
+    fit(tmp_path, PeakMemoryMonitor(plot=True), logger=False)
+    assert (tmp_path / "peak_memory.png").stat().st_size > 0
 
 
 def test_exceeding_a_budget_fails_the_run_naming_metric_budget_and_value(tmp_path):
