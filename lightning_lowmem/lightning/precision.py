@@ -67,6 +67,8 @@ class LowMemPrecision(Precision):
     gate/up); a consumer that saves only a slice of the output (ViT's class-token head) now
     keeps the whole half output alive instead of a half copy of the slice. Under ``*-true``
     the fp32 statistics a torch norm saves (mean/rstd, one per row) double in size.
+    Numerics: in a post-norm model (BERT) a norm's output is also the next residual, which
+    is then carried in the compute dtype up to the next norm, as it is under ``*-true``.
 
     Not supported yet: strategies that require their own precision plugin (FSDP,
     DeepSpeed, XLA); Lightning refuses the combination when the Trainer is built.

@@ -11,7 +11,7 @@ Use it for your own model::
     CASES = [Case("mymodel/bf16", build=lambda: (MyModel(), torch.randn(4, 3, 224, 224)),
                   precision="bf16-mixed", lowmem=True)]
 
-    def test_activation_memory():  # fails with a readable diff; --update-style rewrite below
+    def test_activation_memory():  # UPDATE_MEMORY=1 pytest ... writes the baseline
         result = check(CASES, "tests/activation_baseline.json", update=os.environ.get("UPDATE_MEMORY") == "1")
         assert result.ok, result.text
 
@@ -150,12 +150,14 @@ def compare(figures: dict[str, int], baseline: dict[str, int], tolerance: float 
     return Result(ok=not failures, text="\n".join([*lines, verdict]))
 
 
-def load_baseline(path: str | Path) -> dict[str, int]:
+def _read(path: str | Path) -> dict[str, Any]:
     path = Path(path)
-    if not path.exists():
-        return {}
-    data = json.loads(path.read_text())
-    return {name: int(entry["saved_bytes"]) for name, entry in data["cases"].items()}
+    return json.loads(path.read_text()) if path.exists() else {"cases": {}}
+
+
+def load_baseline(path: str | Path) -> dict[str, int]:
+    """Bytes by case name from a baseline file (empty when the file does not exist)."""
+    return {name: int(entry["saved_bytes"]) for name, entry in _read(path)["cases"].items()}
 
 
 def write_baseline(path: str | Path, figures: dict[str, int]) -> None:
@@ -181,6 +183,12 @@ def check(
         model, example = prepared[key]
         figures[case.name] = _measure_prepared(case, copy.deepcopy(model), example)
     result = compare(figures, load_baseline(baseline), tolerance)
+    written_with = _read(baseline).get("torch", torch.__version__)
+    if written_with != torch.__version__:
+        result = Result(
+            result.ok,
+            f"{result.text}\nmemcheck: the baseline was written with torch {written_with}, this is {torch.__version__}",
+        )
     if update:
         write_baseline(baseline, figures)
         return Result(ok=True, text=f"{result.text}\nmemcheck: baseline {baseline} updated")
