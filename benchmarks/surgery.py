@@ -22,10 +22,10 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import interleaved_median, markdown_table, write_section  # noqa: E402
-from lightning_lowmem import kernels  # noqa: E402
-from lightning_lowmem.memory import SavedTensorMeter  # noqa: E402
-from lightning_lowmem.surgery import apply_lowmem  # noqa: E402
+from benchmarks.common import interleaved_median, markdown_table, write_section
+from lightning_lowmem import kernels
+from lightning_lowmem.memory import SavedTensorMeter
+from lightning_lowmem.surgery import apply_lowmem
 
 MIB = float(1 << 20)
 VIT_LORA = {"LoRA on qkv only": ["qkv"], "LoRA on qkv, proj, fc1, fc2": ["qkv", "proj", "fc1", "fc2"]}
@@ -62,9 +62,8 @@ def loss_of(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
 
 
 def saved_bytes(model: nn.Module, batch: torch.Tensor, autocast: bool) -> int:
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-        with SavedTensorMeter(model) as meter:
-            loss = loss_of(model, batch)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), SavedTensorMeter(model) as meter:
+        loss = loss_of(model, batch)
     loss.backward()
     model.zero_grad(set_to_none=True)
     return meter.total_bytes
@@ -83,7 +82,9 @@ def step_fn(model: nn.Module, batch: torch.Tensor, autocast: bool) -> Callable[[
     return step
 
 
-def compare(build: Callable[[], nn.Module], batch: torch.Tensor, autocast: bool, repeats: int) -> tuple[int, int, float]:
+def compare(
+    build: Callable[[], nn.Module], batch: torch.Tensor, autocast: bool, repeats: int
+) -> tuple[int, int, float]:
     torch.manual_seed(0)
     stock = build().train()
     converted = copy.deepcopy(stock)
@@ -107,7 +108,7 @@ def main() -> None:
     rows = []
     for setting in ("full fine-tuning", *VIT_LORA):
         for autocast in (True, False):
-            before, after, ratio = compare(lambda: vit(setting), image, autocast, repeats)
+            before, after, ratio = compare(lambda setting=setting: vit(setting), image, autocast, repeats)
             rows.append(["vit_small_patch16_224", setting, "bf16 autocast" if autocast else "fp32",
                          f"{before / MIB:.1f}", f"{after / MIB:.1f}", f"{100 * (1 - after / before):.1f}%", f"{ratio:.2f}"])  # fmt: skip
             print(rows[-1], flush=True)
@@ -124,8 +125,7 @@ def main() -> None:
         "with the affine applied by the consumer linears, weights recast in backward). LoRA: peft "
         "r=4, dropout 0. Step time ratio: whole training step (forward, backward, AdamW), lowmem / "
         f"stock, interleaved median of {repeats} in the same process (CPU: indicative only); "
-        f"kernel backend `{kernels.backend()}`.\n\n"
-        + markdown_table(header, rows)
+        f"kernel backend `{kernels.backend()}`.\n\n" + markdown_table(header, rows)
     )
     write_section("surgery", body, "python benchmarks/surgery.py" + (" --quick" if args.quick else ""))
 

@@ -63,10 +63,10 @@ def loader() -> DataLoader:
 
 
 def trainer(tmp_path: Path, **kwargs) -> pl.Trainer:
-    options = dict(
-        accelerator="cpu", devices=1, max_steps=2, logger=False, enable_progress_bar=False,
-        enable_model_summary=False, default_root_dir=tmp_path, callbacks=[LowMemBP()],
-    )  # fmt: skip
+    options = {
+        "accelerator": "cpu", "devices": 1, "max_steps": 2, "logger": False, "enable_progress_bar": False,
+        "enable_model_summary": False, "default_root_dir": tmp_path, "callbacks": [LowMemBP()],
+    }  # fmt: skip
     return pl.Trainer(**{**options, **kwargs})
 
 

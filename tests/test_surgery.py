@@ -110,9 +110,9 @@ def grads(model: nn.Module, example) -> dict[str, torch.Tensor]:
 
 def assert_grads_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], rtol: float = 1e-4) -> None:
     assert a.keys() == b.keys()
-    for name in a:
-        scale = a[name].abs().max().clamp_min(1e-6)
-        torch.testing.assert_close(b[name], a[name], rtol=rtol, atol=rtol * scale, msg=name)
+    for name, expected in a.items():
+        scale = expected.abs().max().clamp_min(1e-6)
+        torch.testing.assert_close(b[name], expected, rtol=rtol, atol=rtol * scale, msg=name)
 
 
 def assert_same_outputs(a: nn.Module, b: nn.Module, example, tol: float = 1e-4) -> None:
@@ -141,7 +141,7 @@ VIT_SETTINGS = {"full": None, "lora_qkv": ["qkv"], "lora_all": ["qkv", "proj", "
 
 @pytest.mark.parametrize("setting", list(VIT_SETTINGS))
 def test_vit(setting):
-    build = lambda: tiny_vit(VIT_SETTINGS[setting])  # noqa: E731
+    build = lambda: tiny_vit(VIT_SETTINGS[setting])
     stock, x = build(), image()
     model, report = converted(stock, x)
     assert isinstance(model.get_submodule(prefix(model) + "blocks.0.mlp.act"), ReGELU2)
@@ -154,7 +154,7 @@ def test_vit(setting):
     norm_only, _ = converted(stock, x, activation=False)
     assert_grads_close(grads(stock, x), grads(norm_only, x))
     # with the approximate (2-bit) activation derivative, gradients still point the same way
-    flat = lambda g: torch.cat([v.flatten() for v in g.values()])  # noqa: E731
+    flat = lambda g: torch.cat([v.flatten() for v in g.values()])
     assert F.cosine_similarity(flat(grads(stock, x)), flat(grads(model, x)), dim=0) > 0.7
     # checkpoints are interchangeable with the stock architecture, both ways
     assert_same_outputs(stock_twin(build, model), model, x)
@@ -207,7 +207,7 @@ def test_autocast_shares_norm_output_and_saves_no_weight_copy():
 
 # -- timm model with norms that must not be converted ----------------------------------------
 def test_swin_roll_keeps_norm1():
-    build = lambda: timm.create_model(  # noqa: E731
+    build = lambda: timm.create_model(
         "swin_tiny_patch4_window7_224", pretrained=False, img_size=56, embed_dim=16,
         depths=(1, 1), num_heads=(1, 2), window_size=7, num_classes=4,
     )  # fmt: skip

@@ -40,10 +40,10 @@ class LowMemBP(Callback):
         verify: bool = True,
         measure: bool = True,
     ) -> None:
-        self.options = dict(
-            activation=activation, norm=norm, include=include, exclude=exclude,
-            linear=linear, verify=verify, measure=measure,
-        )  # fmt: skip
+        self.options = {
+            "activation": activation, "norm": norm, "include": include, "exclude": exclude,
+            "linear": linear, "verify": verify, "measure": measure,
+        }  # fmt: skip
         self.report: LowMemReport | None = None
         self._printed = False
 

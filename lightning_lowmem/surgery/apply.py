@@ -107,7 +107,7 @@ class LowMemReport:
         header = ("", "Name", "Kind", "Was", "Status", "Detail")
         rows = [(str(i), e.name, e.kind, e.was, e.status, e.detail) for i, e in enumerate(self.entries)]
         widths = [max(len(row[c]) for row in [header, *rows]) for c in range(len(header))]
-        fmt = lambda row: " | ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip()  # noqa: E731
+        fmt = lambda row: " | ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip()
         rule = "-" * len(fmt(header))
         return "\n".join([rule, fmt(header), rule, *map(fmt, rows), rule, self.summary()])
 
@@ -270,9 +270,11 @@ def apply_lowmem(
             flow.block(name, "no example input to trace its data flow (set example_input_array)")
     else:
         try:
-            activation_modules = {m for m in named.values() if is_activation_candidate(m) or isinstance(m, (ReGELU2, ReSiLU2))}
+            activation_modules = {
+                m for m in named.values() if is_activation_candidate(m) or isinstance(m, (ReGELU2, ReSiLU2))
+            }
             flow = dataflow.trace(model, example_input, {n: named[n] for n in norms}, activation_modules)
-        except Exception as err:  # a model that cannot run the example: convert no norm, measure nothing
+        except Exception as err:  # noqa: BLE001 - a model that cannot run the example: convert no norm, measure nothing
             for name in norms:
                 flow.block(name, f"probe forward failed ({type(err).__name__}: {err})")
             example_input = None

@@ -13,7 +13,6 @@ buffers are restored afterwards.
 
 from __future__ import annotations
 
-import copy
 from collections import defaultdict
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -124,7 +123,7 @@ def isolated(model: nn.Module, train: bool) -> Iterator[None]:
 def call(model: nn.Module, example: Any) -> Any:
     """Call ``model`` the Lightning way: a tuple is positional args, a dict keyword args."""
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    example = tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, copy.copy(example))
+    example = tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, example)
     if isinstance(example, tuple):
         return model(*example)
     if isinstance(example, Mapping):

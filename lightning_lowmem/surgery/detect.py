@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 
-_ACTIVATION_NAME = re.compile(r"gelu|silu|swish", re.I)
-_NORM_NAME = re.compile(r"layer_?norm|rms_?norm", re.I)
+_ACTIVATION_NAME = re.compile(r"gelu|silu|swish", re.IGNORECASE)
+_NORM_NAME = re.compile(r"layer_?norm|rms_?norm", re.IGNORECASE)
 _EPS_ATTRS = ("eps", "variance_epsilon", "epsilon")
 _ACTIVATIONS = {"gelu": lambda x: F.gelu(x), "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "silu": F.silu}
 
@@ -57,7 +57,7 @@ def activation_kind(module: nn.Module) -> str:
     try:
         with torch.no_grad():
             y = module(x.clone())
-    except Exception as err:  # any failure means: not a plain elementwise activation
+    except Exception as err:  # noqa: BLE001 - any failure means: not a plain elementwise activation
         raise NotConvertible(f"probe call failed ({type(err).__name__})") from None
     if not isinstance(y, torch.Tensor) or y.shape != x.shape:
         raise NotConvertible("not an elementwise activation")
@@ -109,12 +109,16 @@ def norm_spec(module: nn.Module) -> NormSpec:
     try:
         with torch.no_grad():
             y = functional_call(module, trial, (x,))
-    except Exception as err:  # any failure means: not a norm over the trailing dims
+    except Exception as err:  # noqa: BLE001 - any failure means: not a norm over the trailing dims
         raise NotConvertible(f"probe call failed ({type(err).__name__})") from None
     for kind in ("layer", "rms"):
         if kind == "rms" and bias is not None:
             continue
         expected = _reference(kind, x, shape, eps, trial.get("weight"), trial.get("bias"))
-        if isinstance(y, torch.Tensor) and y.shape == x.shape and torch.allclose(y.double(), expected, rtol=1e-4, atol=1e-5):
+        if (
+            isinstance(y, torch.Tensor)
+            and y.shape == x.shape
+            and torch.allclose(y.double(), expected, rtol=1e-4, atol=1e-5)
+        ):
             return NormSpec(kind, shape, eps, weight is not None, bias is not None)
     raise NotConvertible("output differs from LayerNorm/RMSNorm over the trailing dims (e.g. 1+weight, channels-first)")
