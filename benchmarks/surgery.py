@@ -98,36 +98,37 @@ def compare(
     return before, after, times["lowmem"] / times["stock"]
 
 
+def cases(image: torch.Tensor, tokens: torch.Tensor):
+    """(model, setting, build, batch) for every row; fp32 first, it is the faster one on CPU."""
+    for autocast in (False, True):
+        for setting in ("full fine-tuning", *VIT_LORA):
+            yield "vit_small_patch16_224", setting, autocast, lambda setting=setting: vit(setting), image
+        yield "Llama (4 layers, d=256), seq 256", "LoRA on all linears", autocast, llama, tokens
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="fewer timing repeats")
     args = parser.parse_args()
     repeats = 3 if args.quick else 7
-    image = torch.randn(4, 3, 224, 224)
-    tokens = torch.randint(0, 1024, (4, 256))
-    rows = []
-    for setting in ("full fine-tuning", *VIT_LORA):
-        for autocast in (True, False):
-            before, after, ratio = compare(lambda setting=setting: vit(setting), image, autocast, repeats)
-            rows.append(["vit_small_patch16_224", setting, "bf16 autocast" if autocast else "fp32",
-                         f"{before / MIB:.1f}", f"{after / MIB:.1f}", f"{100 * (1 - after / before):.1f}%", f"{ratio:.2f}"])  # fmt: skip
-            print(rows[-1], flush=True)
-    for autocast in (True, False):
-        before, after, ratio = compare(llama, tokens, autocast, repeats)
-        rows.append(["Llama (4 layers, d=256), seq 256", "LoRA on all linears", "bf16 autocast" if autocast else "fp32",
-                     f"{before / MIB:.1f}", f"{after / MIB:.1f}", f"{100 * (1 - after / before):.1f}%", f"{ratio:.2f}"])  # fmt: skip
-        print(rows[-1], flush=True)
     header = ["model (batch 4)", "setting", "precision", "stock MiB", "lowmem MiB", "reduction", "step time ratio"]
-    body = (
-        "## Model surgery (`apply_lowmem`)\n\n"
-        "Saved-for-backward bytes of one forward+backward (SavedTensorMeter, parameters excluded), "
-        "stock model vs the same model after `apply_lowmem` (ReGELU2/ReSiLU2, memory-sharing norms "
-        "with the affine applied by the consumer linears, weights recast in backward). LoRA: peft "
-        "r=4, dropout 0. Step time ratio: whole training step (forward, backward, AdamW), lowmem / "
-        f"stock, interleaved median of {repeats} in the same process (CPU: indicative only); "
-        f"kernel backend `{kernels.backend()}`.\n\n" + markdown_table(header, rows)
-    )
-    write_section("surgery", body, "python benchmarks/surgery.py" + (" --quick" if args.quick else ""))
+    rows = []
+    for model, setting, autocast, build, batch in cases(torch.randn(4, 3, 224, 224), torch.randint(0, 1024, (4, 256))):
+        before, after, ratio = compare(build, batch, autocast, repeats)
+        precision = "bf16 autocast" if autocast else "fp32"
+        reduction = f"{100 * (1 - after / before):.1f}%"
+        rows.append([model, setting, precision, f"{before / MIB:.1f}", f"{after / MIB:.1f}", reduction, f"{ratio:.2f}"])
+        print(rows[-1], flush=True)
+        body = (  # written after every row: a long CPU run keeps what it measured
+            "## Model surgery (`apply_lowmem`)\n\n"
+            "Saved-for-backward bytes of one forward+backward (SavedTensorMeter, parameters excluded), "
+            "stock model vs the same model after `apply_lowmem` (ReGELU2/ReSiLU2, memory-sharing norms "
+            "with the affine applied by the consumer linears, weights recast in backward). LoRA: peft "
+            "r=4, dropout 0. Step time ratio: whole training step (forward, backward, AdamW), lowmem / "
+            f"stock, interleaved median of {repeats} in the same process (CPU: indicative only); "
+            f"kernel backend `{kernels.backend()}`.\n\n" + markdown_table(header, rows)
+        )
+        write_section("surgery", body, "python benchmarks/surgery.py" + (" --quick" if args.quick else ""))
 
 
 if __name__ == "__main__":

@@ -319,6 +319,19 @@ def test_rejects_lookalikes():
     assert "QuickGELU" in report.entries[1].detail or "neither" in report.entries[1].detail
 
 
+def test_hooked_modules_are_left_alone():
+    model, x = Custom(), torch.randn(2, 4, 32)
+    seen = []
+    model.up.register_forward_hook(lambda m, a, out: seen.append(out.shape))
+    model.act.register_forward_pre_hook(lambda m, a: None)
+    report = apply_lowmem(model, example_input=x)
+    assert "has hooks" in next(e.detail for e in report.entries if e.name == "norm_a")
+    assert "has hooks" in next(e.detail for e in report.entries if e.name == "act")
+    assert type(model.up) is nn.Linear and isinstance(model.norm_b, DeferredAffineNorm)
+    model(x)
+    assert seen
+
+
 def test_failed_verification_rolls_back(monkeypatch):
     model, x = Custom(), torch.randn(2, 4, 32)
     structure = repr(model)

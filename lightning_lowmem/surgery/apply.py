@@ -28,6 +28,7 @@ from lightning_lowmem.surgery.detect import (
     activation_kind,
     is_activation_candidate,
     is_norm_candidate,
+    is_plain,
     norm_spec,
 )
 from lightning_lowmem.surgery.modules import DeferredAffineNorm, LowMemLinear
@@ -282,6 +283,9 @@ def apply_lowmem(
         excluded = [c for c in consumers if any(fnmatchcase(c, p) for p in exclude)]
         if excluded:
             flow.block(name, f"consumer {excluded[0]} is excluded")
+        hooked = [c for c in consumers if not is_plain(named[c])]
+        if hooked:
+            flow.block(name, f"consumer {hooked[0]} has hooks or a patched forward")
     for where, ops in flow.functional.items():
         entries[f"{where}:{','.join(sorted(ops))}"] = Entry(
             where, "functional", "F." + "/F.".join(sorted(ops)), "left alone", "functional call inside forward"
@@ -318,7 +322,8 @@ def apply_lowmem(
                     surgery.set(owner, "cast_input_dtype_enabled", False)
             entries[name] = Entry(name, "norm", type(module).__name__, "converted", _norm_detail(spec, consumers))
         for name, module in named.items():
-            if type(module) is nn.Linear and (name in consumers_of or (do_linear and selected(name))):
+            recast = do_linear and selected(name) and is_plain(module)
+            if type(module) is nn.Linear and (name in consumers_of or recast):
                 surgery.replace(module, LowMemLinear.from_linear(module, norm=consumers_of.get(name)))
                 report.linears += 1
         if reference is not None:

@@ -37,6 +37,12 @@ class NormSpec:
     has_bias: bool
 
 
+def is_plain(module: nn.Module) -> bool:
+    """No hooks and no per-instance ``forward`` (e.g. accelerate offloading): safe to replace."""
+    hooks = module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+    return not hooks and "forward" not in module.__dict__
+
+
 def is_activation_candidate(module: nn.Module) -> bool:
     if isinstance(module, (nn.GELU, nn.SiLU)):
         return True
@@ -51,6 +57,8 @@ def is_norm_candidate(module: nn.Module) -> bool:
 
 def activation_kind(module: nn.Module) -> str:
     """``"gelu"``, ``"gelu_tanh"`` or ``"silu"``: which function ``module`` provably computes."""
+    if not is_plain(module):
+        raise NotConvertible("has hooks or a patched forward (a replacement would drop them)")
     if any(True for _ in module.parameters(recurse=False)) or any(True for _ in module.buffers(recurse=False)):
         raise NotConvertible("has parameters or buffers")
     x = torch.linspace(-12.0, 12.0, 4801, dtype=torch.float64)
@@ -92,8 +100,8 @@ def norm_spec(module: nn.Module) -> NormSpec:
     params = dict(module.named_parameters(recurse=False))
     if set(params) - {"weight", "bias"} or any(True for _ in module.buffers(recurse=False)):
         raise NotConvertible(f"unexpected parameters/buffers {sorted(set(params) - {'weight', 'bias'})}")
-    if module._forward_hooks or module._forward_pre_hooks:
-        raise NotConvertible("has forward hooks (they would see the affine-free output)")
+    if not is_plain(module):
+        raise NotConvertible("has hooks or a patched forward (they would see the affine-free output)")
     weight, bias = params.get("weight"), params.get("bias")
     shape = getattr(module, "normalized_shape", None)
     if shape is None:
