@@ -84,13 +84,15 @@ def step_fn(model: nn.Module, batch: torch.Tensor, autocast: bool) -> Callable[[
 
 def compare(
     build: Callable[[], nn.Module], batch: torch.Tensor, autocast: bool, repeats: int
-) -> tuple[int, int, float]:
+) -> tuple[int, int, float | None]:
     torch.manual_seed(0)
     stock = build().train()
     converted = copy.deepcopy(stock)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         apply_lowmem(converted, example_input=batch, measure=False)
     before, after = saved_bytes(stock, batch, autocast), saved_bytes(converted, batch, autocast)
+    if not repeats:
+        return before, after, None
     times = interleaved_median(
         {"stock": step_fn(stock, batch, autocast), "lowmem": step_fn(converted, batch, autocast)},
         repeats=repeats, warmup=1,
@@ -109,15 +111,28 @@ def cases(image: torch.Tensor, tokens: torch.Tensor):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="fewer timing repeats")
+    parser.add_argument("--time-rows", type=int, default=None, help="time only the first N rows (slow CPUs)")
     args = parser.parse_args()
     repeats = 3 if args.quick else 7
     header = ["model (batch 4)", "setting", "precision", "stock MiB", "lowmem MiB", "reduction", "step time ratio"]
     rows = []
-    for model, setting, autocast, build, batch in cases(torch.randn(4, 3, 224, 224), torch.randint(0, 1024, (4, 256))):
-        before, after, ratio = compare(build, batch, autocast, repeats)
+    image, tokens = torch.randn(4, 3, 224, 224), torch.randint(0, 1024, (4, 256))
+    for row, (model, setting, autocast, build, batch) in enumerate(cases(image, tokens)):
+        timed = args.time_rows is None or row < args.time_rows
+        before, after, ratio = compare(build, batch, autocast, repeats if timed else 0)
         precision = "bf16 autocast" if autocast else "fp32"
         reduction = f"{100 * (1 - after / before):.1f}%"
-        rows.append([model, setting, precision, f"{before / MIB:.1f}", f"{after / MIB:.1f}", reduction, f"{ratio:.2f}"])
+        rows.append(
+            [
+                model,
+                setting,
+                precision,
+                f"{before / MIB:.1f}",
+                f"{after / MIB:.1f}",
+                reduction,
+                "not timed" if ratio is None else f"{ratio:.2f}",
+            ]
+        )
         print(rows[-1], flush=True)
         body = (  # written after every row: a long CPU run keeps what it measured
             "## Model surgery (`apply_lowmem`)\n\n"
@@ -128,7 +143,7 @@ def main() -> None:
             f"stock, interleaved median of {repeats} in the same process (CPU: indicative only); "
             f"kernel backend `{kernels.backend()}`.\n\n" + markdown_table(header, rows)
         )
-        write_section("surgery", body, "python benchmarks/surgery.py" + (" --quick" if args.quick else ""))
+        write_section("surgery", body, " ".join(["python benchmarks/surgery.py", *sys.argv[1:]]))
 
 
 if __name__ == "__main__":

@@ -35,7 +35,11 @@ from lightning_lowmem.surgery.modules import DeferredAffineNorm, LowMemLinear
 
 MIB = float(1 << 20)
 _CONVERTED_TYPES = (ReGELU2, ReSiLU2, DeferredAffineNorm, LowMemLinear)
-_NEW_ACTIVATION = {"gelu": lambda: ReGELU2(), "gelu_tanh": lambda: ReGELU2("tanh"), "silu": lambda: ReSiLU2()}
+_NEW_ACTIVATION = {
+    "gelu": lambda bits: ReGELU2(bits=bits),
+    "gelu_tanh": lambda bits: ReGELU2("tanh", bits=bits),
+    "silu": lambda bits: ReSiLU2(bits=bits),
+}
 _NEW_NAME = {"gelu": "ReGELU2 (erf)", "gelu_tanh": "ReGELU2 (tanh)", "silu": "ReSiLU2"}
 
 
@@ -182,9 +186,11 @@ def _check_same(before: list[torch.Tensor], after: list[torch.Tensor]) -> None:
             raise RuntimeError(f"output {i} of the converted model differs from the stock model (max diff {diff})")
 
 
-def _norm_detail(spec: NormSpec, consumers: list[str]) -> str:
+def _norm_detail(name: str, spec: NormSpec, consumers: list[str]) -> str:
+    """E.g. ``MS-LN, affine applied by attn.qkv`` (consumer names relative to the norm's parent)."""
     kind = "MS-LN" if spec.kind == "layer" else "MS-RMSNorm"
-    return f"{kind}, affine applied by {', '.join(consumers)}"
+    parent = name.rpartition(".")[0] + "." if "." in name else ""
+    return f"{kind}, affine applied by {', '.join(c.removeprefix(parent) for c in consumers)}"
 
 
 def _peft_owner(model: nn.Module, linear: str) -> nn.Module | None:
@@ -208,6 +214,7 @@ def apply_lowmem(
     example_input: Any = None,
     verify: bool = True,
     measure: bool = True,
+    bits: int = 2,
 ) -> LowMemReport:
     """Convert ``model`` in place for low-memory backpropagation and report what changed.
 
@@ -227,10 +234,15 @@ def apply_lowmem(
         verify: compare the converted model's outputs with the stock model's (rolls back and
             raises on a mismatch).
         measure: record the saved-for-backward bytes of one forward before and after.
+        bits: bits per element of the activations' approximate backward: 2 (default, the
+            paper's constants), or 1, 3, 4 (fitted tables; 3 is stored in 4 bits). Fewer bits
+            save less memory, more bits a gradient closer to exact (benchmarks/RESULTS.md "kbit").
 
     Returns:
         The :class:`LowMemReport`. Running it again on a converted model changes nothing.
     """
+    if bits not in (1, 2, 3, 4):
+        raise ValueError(f"apply_lowmem: bits must be 1, 2, 3 or 4, got {bits!r}")
     do_act, do_norm, do_linear = _mode(activation, "activation"), _mode(norm, "norm"), _mode(linear, "linear")
     include, exclude = _patterns(include), _patterns(exclude)
     named = dict(model.named_modules())
@@ -302,8 +314,9 @@ def apply_lowmem(
     try:
         consumers_of: dict[str, DeferredAffineNorm] = {}
         for name, kind in activations.items():
-            surgery.replace(named[name], _NEW_ACTIVATION[kind]())
-            entries[name] = Entry(name, "activation", type(named[name]).__name__, "converted", _NEW_NAME[kind])
+            surgery.replace(named[name], _NEW_ACTIVATION[kind](bits))
+            new_name = _NEW_NAME[kind] if bits == 2 else f"{_NEW_NAME[kind]}, {bits}-bit"
+            entries[name] = Entry(name, "activation", type(named[name]).__name__, "converted", new_name)
         for name, spec in norms.items():
             module = named[name]
             if name in flow.blocked:
@@ -320,7 +333,7 @@ def apply_lowmem(
                 owner = _peft_owner(model, linear_name)
                 if owner is not None:  # its input cast would copy z, which lora_A would then save
                     surgery.set(owner, "cast_input_dtype_enabled", False)
-            entries[name] = Entry(name, "norm", type(module).__name__, "converted", _norm_detail(spec, consumers))
+            entries[name] = Entry(name, "norm", type(module).__name__, "converted", _norm_detail(name, spec, consumers))
         for name, module in named.items():
             recast = do_linear and selected(name) and is_plain(module)
             if type(module) is nn.Linear and (name in consumers_of or recast):
