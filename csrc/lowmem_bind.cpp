@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "lowmem_kernels.h"
+#include "lowmem_math.h"
 
 namespace lowmem {
 namespace {
@@ -29,23 +30,36 @@ void check_float(const char* op, const char* name, const at::Tensor& t) {
                    "; supported: float16, bfloat16, float32, float64");
 }
 
-int64_t packed_size(int64_t numel) { return (numel + 3) / 4; }
+// Bytes holding numel codes of `bits` bits each.
+int64_t packed_size(int64_t numel, int bits) { return (numel * bits + 7) / 8; }
 
-at::Tensor stock_activation(const at::Tensor& x, const std::string& kind) {
-  if (kind == "silu") return at::silu(x);
-  if (kind == "gelu") return at::gelu(x, "none");
-  if (kind == "gelu_tanh") return at::gelu(x, "tanh");
-  TORCH_CHECK_VALUE(false, "act_forward: unknown activation kind '", kind, "'; expected gelu, gelu_tanh or silu");
+void check_kind(const std::string& kind) {
+  TORCH_CHECK_VALUE(kind == "silu" || kind == "gelu" || kind == "gelu_tanh", "act_forward: unknown activation kind '",
+                    kind, "'; expected gelu, gelu_tanh or silu");
 }
 
-// Forward is the stock ATen kernel (bit-exact by construction); the codes take one fused pass.
-std::tuple<at::Tensor, at::Tensor> act_forward(const at::Tensor& x, const std::string& kind,
-                                               const std::vector<double>& thresholds) {
+// Forward is the stock ATen kernel (bit-exact by construction); the codes ride along.
+std::tuple<at::Tensor, at::Tensor> act_forward_op(const at::Tensor& x, const std::string& kind,
+                                                  const std::vector<double>& thresholds) {
   check_float("act_forward", "x", x);
-  TORCH_CHECK_VALUE(thresholds.size() == 3, "act_forward: expected 3 thresholds, got ", thresholds.size());
-  at::Tensor y = stock_activation(x, kind);
-  at::Tensor packed = at::empty({packed_size(x.numel())}, x.options().dtype(at::kByte));
-  if (x.numel() > 0) step_codes(x.contiguous(), thresholds.data(), packed);
+  check_kind(kind);
+  const int bits = storage_bits(static_cast<int64_t>(thresholds.size()));
+  TORCH_CHECK_VALUE(bits > 0, "act_forward: expected 1 to 15 thresholds (1-4 bit codes), got ", thresholds.size());
+  for (size_t t = 1; t < thresholds.size(); ++t) {
+    TORCH_CHECK_VALUE(thresholds[t - 1] <= thresholds[t], "act_forward: thresholds must be ascending");
+  }
+  at::Tensor packed = at::empty({packed_size(x.numel(), bits)}, x.options().dtype(at::kByte));
+  if (!x.is_contiguous()) {
+    // The stock kernel on the strided input itself (its strided loop rounds differently from the
+    // contiguous one); the codes from a contiguous copy.
+    at::Tensor y = at::empty_like(x);
+    stock_activation_out(kind, x, y);
+    at::Tensor none;
+    if (x.numel() > 0) lowmem::act_forward(x.contiguous(), kind, thresholds.data(), thresholds.size(), none, packed);
+    return {y, packed};
+  }
+  at::Tensor y = at::empty_like(x, at::MemoryFormat::Contiguous);
+  if (x.numel() > 0) lowmem::act_forward(x, kind, thresholds.data(), thresholds.size(), y, packed);
   return {y, packed};
 }
 
@@ -54,12 +68,13 @@ at::Tensor act_backward(const at::Tensor& grad, const at::Tensor& packed, const 
   check_tensor("act_backward", "packed", packed);
   TORCH_CHECK_TYPE(packed.scalar_type() == at::kByte, "act_backward: packed codes must be uint8, got ",
                    packed.scalar_type());
-  TORCH_CHECK_VALUE(packed.numel() == packed_size(grad.numel()), "act_backward: ", packed.numel(),
-                    " packed bytes do not hold ", grad.numel(), " codes");
-  TORCH_CHECK_VALUE(levels.size() == 4, "act_backward: expected 4 levels, got ", levels.size());
+  const int bits = levels.size() >= 2 ? storage_bits(static_cast<int64_t>(levels.size()) - 1) : 0;
+  TORCH_CHECK_VALUE(bits > 0, "act_backward: expected 2 to 16 levels (1-4 bit codes), got ", levels.size());
+  TORCH_CHECK_VALUE(packed.numel() == packed_size(grad.numel(), bits), "act_backward: ", packed.numel(),
+                    " packed bytes do not hold ", grad.numel(), " codes of ", bits, " bits");
   at::Tensor g = grad.contiguous();
   at::Tensor out = at::empty_like(g, at::MemoryFormat::Contiguous);
-  if (g.numel() > 0) step_scale(g, packed.contiguous(), levels.data(), out);
+  if (g.numel() > 0) step_scale(g, packed.contiguous(), levels.data(), levels.size(), out);
   return out;
 }
 
@@ -105,7 +120,7 @@ at::Tensor norm_backward_op(const at::Tensor& grad, const at::Tensor& z, const a
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "lightning_lowmem compiled kernels (contract: lightning_lowmem.kernels.torch_ops)";
-  m.def("act_forward", &lowmem::act_forward, "stock activation and its packed 2-bit codes", py::arg("x"),
+  m.def("act_forward", &lowmem::act_forward_op, "stock activation and its packed k-bit codes", py::arg("x"),
         py::arg("kind"), py::arg("thresholds"));
   m.def("act_backward", &lowmem::act_backward, "grad * levels[code]", py::arg("grad"), py::arg("packed"),
         py::arg("levels"));

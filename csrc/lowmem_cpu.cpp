@@ -8,6 +8,8 @@
 #include <ATen/cpu/vec/vec.h>
 
 #include <algorithm>
+#include <limits>
+#include <string>
 #include <array>
 #include <type_traits>
 #include <vector>
@@ -22,8 +24,6 @@ const c10::DeviceType kKernelDevice = c10::DeviceType::CPU;
 namespace {
 
 using at::vec::Vectorized;
-
-constexpr int64_t kBlockBytes = 1024;  // packed bytes per staged block: 4096 elements, L1-resident
 
 // Elements of T as acc_t: the data itself when the types agree, else a converted copy in buf.
 template <typename T, typename acc_t>
@@ -86,66 +86,89 @@ std::array<acc_t, K> row_sums(int64_t n, F&& term) {
   return sums;
 }
 
-// Codes of a staged block, one byte per element: a plain loop the compiler vectorizes.
-template <typename acc_t>
-void block_codes(const acc_t* x, int64_t n, const acc_t* thresholds, uint8_t* codes) {
-  for (int64_t i = 0; i < n; ++i) codes[i] = step_code(x[i], thresholds);
-}
-
-// Byte-per-element codes <-> packed bytes; __restrict lets the compiler vectorize the 4:1 shuffle.
-void pack_block(const uint8_t* __restrict codes, int64_t bytes, uint8_t* __restrict packed) {
-  for (int64_t j = 0; j < bytes; ++j) {
-    packed[j] = pack4(codes[4 * j], codes[4 * j + 1], codes[4 * j + 2], codes[4 * j + 3]);
-  }
-}
-
-void unpack_block(const uint8_t* __restrict packed, int64_t bytes, uint8_t* __restrict codes) {
-  for (int64_t j = 0; j < bytes; ++j) {
-    for (int slot = 0; slot < 4; ++slot) codes[4 * j + slot] = unpack(packed[j], slot);
-  }
-}
-
-template <typename T>
-void step_codes_kernel(const T* x, int64_t numel, const double* thresholds_in, uint8_t* packed) {
+// Packed codes of elements [first, last) of x, first a multiple of 8/kBits: bytes first/p ..
+// ceil(last/p) - 1 of `packed`, a partial last byte padded with zero codes. Staged through L1-sized
+// fp32 blocks: convert, one byte-per-element code pass (vectorized compares), one packing pass.
+template <int kBits, typename T>
+void codes_span(const T* x, int64_t first, int64_t last, const at::opmath_type<T>* thresholds, uint8_t* packed) {
   using acc_t = at::opmath_type<T>;
-  const acc_t thresholds[3] = {acc_t(thresholds_in[0]), acc_t(thresholds_in[1]), acc_t(thresholds_in[2])};
-  const int64_t bytes = (numel + 3) / 4;
-  at::parallel_for(0, bytes, kBlockBytes, [&](int64_t begin, int64_t end) {
-    std::array<acc_t, 4 * kBlockBytes> buf;
-    std::array<uint8_t, 4 * kBlockBytes> codes;
-    for (int64_t b0 = begin; b0 < end; b0 += kBlockBytes) {
-      const int64_t nb = std::min(kBlockBytes, end - b0);
-      const int64_t ne = std::min(4 * nb, numel - 4 * b0);
-      block_codes(as_acc(x + 4 * b0, buf.data(), ne), ne, thresholds, codes.data());
-      std::fill(codes.begin() + ne, codes.begin() + 4 * nb, uint8_t(0));  // a partial last byte pads with 0
-      pack_block(codes.data(), nb, packed + b0);
+  using Vec = Vectorized<acc_t>;
+  constexpr int P = Packing<kBits>::kPerByte;
+  constexpr int64_t kBlock = 4096;
+  alignas(64) std::array<acc_t, kBlock> buf;
+  alignas(64) std::array<uint8_t, kBlock + 8> codes;
+  Vec vt[Packing<kBits>::kThresholds];
+  for (int t = 0; t < Packing<kBits>::kThresholds; ++t) vt[t] = Vec(thresholds[t]);
+  const Vec one(acc_t(1));
+  for (int64_t s = first; s < last; s += kBlock) {
+    const int64_t n = std::min(kBlock, last - s);
+    const acc_t* xa = as_acc(x + s, buf.data(), n);
+    int64_t i = 0;
+    // Vectorized: the count of exceeded thresholds as a float sum of (x > t) & 1, then to bytes.
+    alignas(64) acc_t counts[Vec::size()];
+    for (; i + Vec::size() <= n; i += Vec::size()) {
+      const Vec v = Vec::loadu(xa + i);
+      Vec count(acc_t(0));
+      for (int t = 0; t < Packing<kBits>::kThresholds; ++t) count = count + (Vec(v > vt[t]) & one);
+      count.store(counts);
+      for (int l = 0; l < Vec::size(); ++l) codes[i + l] = static_cast<uint8_t>(counts[l]);
     }
+    for (; i < n; ++i) codes[i] = step_code<kBits>(xa[i], thresholds);
+    const int64_t bytes = (n + P - 1) / P;
+    for (int64_t k = n; k < bytes * P; ++k) codes[k] = 0;
+    uint8_t* __restrict out = packed + s / P;
+    const uint8_t* __restrict c = codes.data();
+    for (int64_t j = 0; j < bytes; ++j) out[j] = pack_byte<kBits>(c + P * j);
+  }
+}
+
+template <int kBits, typename T>
+void act_forward_kernel(const at::Tensor& x, const std::string& kind, const at::opmath_type<T>* thresholds, at::Tensor& y,
+                        uint8_t* packed) {
+  constexpr int P = Packing<kBits>::kPerByte;
+  const T* xp = x.const_data_ptr<T>();
+  const int64_t numel = x.numel();
+  // The stock kernel over the whole tensor (bit-exact by construction), then one parallel code pass.
+  // (Running the stock kernel on cache-sized pieces of each thread's range with the codes right
+  // after was tried: it did not reproduce at::silu's bits for every size, so it is not done.)
+  if (y.defined()) stock_activation_out(kind, x, y);
+  const int64_t bytes = (numel + P - 1) / P;
+  at::parallel_for(0, bytes, 2048, [&](int64_t begin, int64_t end) {
+    codes_span<kBits>(xp, begin * P, std::min(numel, end * P), thresholds, packed);
   });
 }
 
-template <typename acc_t>
-void scale_block(const acc_t* __restrict grad, const uint8_t* __restrict codes, int64_t n, const acc_t* levels_in,
-                 acc_t* __restrict out) {
-  const acc_t levels[4] = {levels_in[0], levels_in[1], levels_in[2], levels_in[3]};  // local: the selects vectorize
-  for (int64_t i = 0; i < n; ++i) out[i] = grad[i] * level_of(codes[i], levels);
-}
-
-template <typename T>
-void step_scale_kernel(const T* grad, const uint8_t* packed, int64_t numel, const double* levels_in, T* out) {
+template <int kBits, typename T>
+void step_scale_kernel(const T* grad, const uint8_t* packed, int64_t numel, const double* levels_in, int64_t count,
+                       T* out) {
   using acc_t = at::opmath_type<T>;
-  const acc_t levels[4] = {acc_t(levels_in[0]), acc_t(levels_in[1]), acc_t(levels_in[2]), acc_t(levels_in[3])};
-  const int64_t bytes = (numel + 3) / 4;
+  constexpr int P = Packing<kBits>::kPerByte;
+  acc_t levels[Packing<kBits>::kLevels];
+  for (int k = 0; k < Packing<kBits>::kLevels; ++k) levels[k] = acc_t(levels_in[std::min<int64_t>(k, count - 1)]);
+  const int64_t bytes = (numel + P - 1) / P;
+  constexpr int64_t kBlockBytes = 4096 / P;
   at::parallel_for(0, bytes, kBlockBytes, [&](int64_t begin, int64_t end) {
-    std::array<acc_t, 4 * kBlockBytes> buf;
-    std::array<uint8_t, 4 * kBlockBytes> codes;
+    alignas(64) std::array<acc_t, 4096> buf;
+    alignas(64) std::array<uint8_t, 4096> codes;
     for (int64_t b0 = begin; b0 < end; b0 += kBlockBytes) {
       const int64_t nb = std::min(kBlockBytes, end - b0);
-      const int64_t ne = std::min(4 * nb, numel - 4 * b0);
-      unpack_block(packed + b0, nb, codes.data());
-      const acc_t* g = as_acc(grad + 4 * b0, buf.data(), ne);
-      acc_t* result = std::is_same_v<T, acc_t> ? reinterpret_cast<acc_t*>(out + 4 * b0) : buf.data();
-      scale_block(g, codes.data(), ne, levels, result);
-      if constexpr (!std::is_same_v<T, acc_t>) at::vec::convert(result, out + 4 * b0, ne);
+      const int64_t ne = std::min(P * nb, numel - P * b0);
+      {
+        const uint8_t* __restrict src = packed + b0;
+        uint8_t* __restrict dst = codes.data();
+        for (int64_t j = 0; j < nb; ++j) {
+          for (int slot = 0; slot < P; ++slot) dst[P * j + slot] = unpack<kBits>(src[j], slot);
+        }
+      }
+      const acc_t* g = as_acc(grad + P * b0, buf.data(), ne);
+      acc_t* __restrict result = std::is_same_v<T, acc_t> ? reinterpret_cast<acc_t*>(out + P * b0) : buf.data();
+      const uint8_t* __restrict c = codes.data();
+      if constexpr (kBits == 4) {
+        for (int64_t i = 0; i < ne; ++i) result[i] = g[i] * levels[c[i]];  // 16 levels: a table lookup
+      } else {
+        for (int64_t i = 0; i < ne; ++i) result[i] = g[i] * level_of<kBits>(c[i], levels);
+      }
+      if constexpr (!std::is_same_v<T, acc_t>) at::vec::convert(result, out + P * b0, ne);
     }
   });
 }
@@ -153,30 +176,52 @@ void step_scale_kernel(const T* grad, const uint8_t* packed, int64_t numel, cons
 // Rows per parallel task: enough elements (ATen's grain size) that a task outweighs its scheduling.
 int64_t row_grain(int64_t dim) { return std::max<int64_t>(1, 32768 / dim); }
 
+// Rows are walked in L1-sized chunks (staged to fp32 when the type is narrower), never copied whole:
+// a long row (11008 bf16 elements) staged whole would overflow L1 and cost a third memory pass.
+constexpr int64_t kChunk = 2048;
+
 template <typename T, typename U>
 void norm_forward_kernel(const T* x, int64_t rows, int64_t dim, double eps_in, bool center, U* z, at::opmath_type<T>* rstd) {
   using acc_t = at::opmath_type<T>;
   const acc_t eps = acc_t(eps_in);
   at::parallel_for(0, rows, row_grain(dim), [&](int64_t begin, int64_t end) {
-    std::vector<acc_t> staged(std::is_same_v<T, acc_t> ? 0 : dim), out_buf(std::is_same_v<U, acc_t> ? 0 : dim);
+    alignas(64) std::array<acc_t, kChunk> staged, out_buf;
     for (int64_t row = begin; row < end; ++row) {
-      const acc_t* xr = as_acc(x + row * dim, staged.data(), dim);
-      acc_t mean = 0;
-      if (center) {
-        mean = row_sums<acc_t, 1>(dim, [&](int64_t i, auto v) { return std::array{load(xr, i, v)}; })[0] / acc_t(dim);
+      const T* xrow = x + row * dim;
+      // One pass: per-chunk mean and centered sum of squares, merged across chunks (Chan et al.).
+      acc_t mean = 0, m2 = 0;
+      for (int64_t c0 = 0; c0 < dim; c0 += kChunk) {
+        const int64_t n = std::min(kChunk, dim - c0);
+        const acc_t* xr = as_acc(xrow + c0, staged.data(), n);
+        if (center) {
+          const acc_t chunk_mean =
+              row_sums<acc_t, 1>(n, [&](int64_t i, auto v) { return std::array{load(xr, i, v)}; })[0] / acc_t(n);
+          const acc_t chunk_m2 = row_sums<acc_t, 1>(n, [&](int64_t i, auto v) {
+            using V = decltype(v);
+            return std::array{centered_square(load(xr, i, v), V(chunk_mean))};
+          })[0];
+          const acc_t seen = acc_t(c0), total = acc_t(c0 + n), delta = chunk_mean - mean;
+          mean += delta * (acc_t(n) / total);
+          m2 += chunk_m2 + delta * delta * (seen * acc_t(n) / total);
+        } else {
+          m2 += row_sums<acc_t, 1>(n, [&](int64_t i, auto v) {
+            using V = decltype(v);
+            return std::array{centered_square(load(xr, i, v), V(acc_t(0)))};
+          })[0];
+        }
       }
-      const acc_t mean_square = row_sums<acc_t, 1>(dim, [&](int64_t i, auto v) {
-        using V = decltype(v);
-        return std::array{centered_square(load(xr, i, v), V(mean))};
-      })[0] / acc_t(dim);
-      const acc_t r = inverse_std(mean_square, eps);
+      const acc_t r = inverse_std(m2 / acc_t(dim), eps);
       rstd[row] = r;
-      acc_t* zr = std::is_same_v<U, acc_t> ? reinterpret_cast<acc_t*>(z + row * dim) : out_buf.data();
-      row_for_each<acc_t>(dim, [&](int64_t i, auto v) {
-        using V = decltype(v);
-        store(zr, i, normalized(load(xr, i, v), V(mean), V(r)));
-      });
-      if constexpr (!std::is_same_v<U, acc_t>) at::vec::convert(zr, z + row * dim, dim);
+      for (int64_t c0 = 0; c0 < dim; c0 += kChunk) {
+        const int64_t n = std::min(kChunk, dim - c0);
+        const acc_t* xr = as_acc(xrow + c0, staged.data(), n);
+        acc_t* zr = std::is_same_v<U, acc_t> ? reinterpret_cast<acc_t*>(z + row * dim + c0) : out_buf.data();
+        row_for_each<acc_t>(n, [&](int64_t i, auto v) {
+          using V = decltype(v);
+          store(zr, i, normalized(load(xr, i, v), V(mean), V(r)));
+        });
+        if constexpr (!std::is_same_v<U, acc_t>) at::vec::convert(zr, z + row * dim + c0, n);
+      }
     }
   });
 }
@@ -185,41 +230,73 @@ template <typename U, typename T>
 void norm_backward_kernel(const U* grad, const U* z, const at::opmath_type<U>* rstd, int64_t rows, int64_t dim,
                           bool center, T* grad_input) {
   using acc_t = at::opmath_type<U>;
-  constexpr bool staged = !std::is_same_v<U, acc_t>;
   at::parallel_for(0, rows, row_grain(dim), [&](int64_t begin, int64_t end) {
-    std::vector<acc_t> g_buf(staged ? dim : 0), z_buf(staged ? dim : 0), out_buf(std::is_same_v<T, acc_t> ? 0 : dim);
+    alignas(64) std::array<acc_t, kChunk> g_buf, z_buf, out_buf;
     for (int64_t row = begin; row < end; ++row) {
-      const acc_t* g = as_acc(grad + row * dim, g_buf.data(), dim);
-      const acc_t* zr = as_acc(z + row * dim, z_buf.data(), dim);
-      const auto [sum_g, sum_gz] = row_sums<acc_t, 2>(dim, [&](int64_t i, auto v) {
-        const auto gv = load(g, i, v);
-        return std::array{gv, gv * load(zr, i, v)};
-      });
+      const U* grow = grad + row * dim;
+      const U* zrow = z + row * dim;
+      acc_t sum_g = 0, sum_gz = 0;
+      for (int64_t c0 = 0; c0 < dim; c0 += kChunk) {
+        const int64_t n = std::min(kChunk, dim - c0);
+        const acc_t* g = as_acc(grow + c0, g_buf.data(), n);
+        const acc_t* zr = as_acc(zrow + c0, z_buf.data(), n);
+        const auto sums = row_sums<acc_t, 2>(n, [&](int64_t i, auto v) {
+          const auto gv = load(g, i, v);
+          return std::array{gv, gv * load(zr, i, v)};
+        });
+        sum_g += sums[0];
+        sum_gz += sums[1];
+      }
       const acc_t mean_g = center ? sum_g / acc_t(dim) : acc_t(0);
       const acc_t mean_gz = sum_gz / acc_t(dim);
       const acc_t r = rstd[row];
-      acc_t* dx = std::is_same_v<T, acc_t> ? reinterpret_cast<acc_t*>(grad_input + row * dim) : out_buf.data();
-      row_for_each<acc_t>(dim, [&](int64_t i, auto v) {
-        using V = decltype(v);
-        store(dx, i, norm_input_grad(load(g, i, v), load(zr, i, v), V(r), V(mean_g), V(mean_gz)));
-      });
-      if constexpr (!std::is_same_v<T, acc_t>) at::vec::convert(dx, grad_input + row * dim, dim);
+      for (int64_t c0 = 0; c0 < dim; c0 += kChunk) {
+        const int64_t n = std::min(kChunk, dim - c0);
+        const acc_t* g = as_acc(grow + c0, g_buf.data(), n);
+        const acc_t* zr = as_acc(zrow + c0, z_buf.data(), n);
+        acc_t* dx = std::is_same_v<T, acc_t> ? reinterpret_cast<acc_t*>(grad_input + row * dim + c0) : out_buf.data();
+        row_for_each<acc_t>(n, [&](int64_t i, auto v) {
+          using V = decltype(v);
+          store(dx, i, norm_input_grad(load(g, i, v), load(zr, i, v), V(r), V(mean_g), V(mean_gz)));
+        });
+        if constexpr (!std::is_same_v<T, acc_t>) at::vec::convert(dx, grad_input + row * dim + c0, n);
+      }
     }
   });
 }
 
 }  // namespace
 
-void step_codes(const at::Tensor& x, const double* thresholds, at::Tensor& packed) {
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "step_codes", [&] {
-    step_codes_kernel(x.const_data_ptr<scalar_t>(), x.numel(), thresholds, packed.mutable_data_ptr<uint8_t>());
+template <typename F>
+void dispatch_bits(int bits, F&& f) {
+  switch (bits) {
+    case 1: f(std::integral_constant<int, 1>()); break;
+    case 2: f(std::integral_constant<int, 2>()); break;
+    default: f(std::integral_constant<int, 4>()); break;
+  }
+}
+
+void act_forward(const at::Tensor& x, const std::string& kind, const double* thresholds_in, int64_t count, at::Tensor& y,
+                 at::Tensor& packed) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "act_forward", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    dispatch_bits(storage_bits(count), [&](auto bits) {
+      constexpr int kBits = decltype(bits)::value;
+      acc_t thresholds[Packing<kBits>::kThresholds];
+      for (int t = 0; t < Packing<kBits>::kThresholds; ++t) {
+        thresholds[t] = t < count ? acc_t(thresholds_in[t]) : std::numeric_limits<acc_t>::infinity();
+      }
+      act_forward_kernel<kBits, scalar_t>(x, kind, thresholds, y, packed.mutable_data_ptr<uint8_t>());
+    });
   });
 }
 
-void step_scale(const at::Tensor& grad, const at::Tensor& packed, const double* levels, at::Tensor& out) {
+void step_scale(const at::Tensor& grad, const at::Tensor& packed, const double* levels, int64_t count, at::Tensor& out) {
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(), "step_scale", [&] {
-    step_scale_kernel(grad.const_data_ptr<scalar_t>(), packed.const_data_ptr<uint8_t>(), grad.numel(), levels,
-                      out.mutable_data_ptr<scalar_t>());
+    dispatch_bits(storage_bits(count - 1), [&](auto bits) {
+      step_scale_kernel<decltype(bits)::value>(grad.const_data_ptr<scalar_t>(), packed.const_data_ptr<uint8_t>(),
+                                               grad.numel(), levels, count, out.mutable_data_ptr<scalar_t>());
+    });
   });
 }
 

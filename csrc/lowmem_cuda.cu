@@ -1,5 +1,5 @@
 // CUDA kernels: grid-stride loops with 64-bit indices, launched on the current stream.
-// Element-wise kernels take one packed byte (four elements) per thread; norms take one row
+// Element-wise kernels take one packed byte (8/k elements of k-bit codes) per thread; norms take one row
 // per block with a two-pass (mean, then centered squares) block reduction in fp32 (fp64).
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
@@ -8,6 +8,9 @@
 #include <c10/cuda/CUDAGuard.h>
 
 #include <algorithm>
+#include <limits>
+#include <string>
+#include <type_traits>
 
 #include "lowmem_kernels.h"
 #include "lowmem_math.h"
@@ -27,36 +30,41 @@ int64_t elementwise_blocks(int64_t work) {
 
 template <typename acc_t>
 struct Table {
-  acc_t v[4];
+  acc_t v[16];
 };
 
-template <typename T>
+// One packed byte (8/kBits elements) per thread.
+template <int kBits, typename T>
 __global__ void step_codes_kernel(const T* __restrict__ x, int64_t numel, Table<at::opmath_type<T>> thresholds,
                                   uint8_t* __restrict__ packed) {
   using acc_t = at::opmath_type<T>;
-  const int64_t bytes = (numel + 3) / 4;
+  constexpr int P = Packing<kBits>::kPerByte;
+  const int64_t bytes = (numel + P - 1) / P;
   for (int64_t j = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; j < bytes; j += int64_t(gridDim.x) * blockDim.x) {
-    uint8_t codes[4] = {0, 0, 0, 0};
-#pragma unroll
-    for (int slot = 0; slot < 4; ++slot) {
-      const int64_t i = 4 * j + slot;
-      if (i < numel) codes[slot] = step_code(static_cast<acc_t>(x[i]), thresholds.v);
+    uint8_t codes[P];
+LOWMEM_UNROLL
+    for (int slot = 0; slot < P; ++slot) {
+      const int64_t i = P * j + slot;
+      codes[slot] = i < numel ? step_code<kBits>(static_cast<acc_t>(x[i]), thresholds.v) : uint8_t(0);
     }
-    packed[j] = pack4(codes[0], codes[1], codes[2], codes[3]);
+    packed[j] = pack_byte<kBits>(codes);
   }
 }
 
-template <typename T>
+template <int kBits, typename T>
 __global__ void step_scale_kernel(const T* __restrict__ grad, const uint8_t* __restrict__ packed, int64_t numel,
                                   Table<at::opmath_type<T>> levels, T* __restrict__ out) {
   using acc_t = at::opmath_type<T>;
-  const int64_t bytes = (numel + 3) / 4;
+  constexpr int P = Packing<kBits>::kPerByte;
+  const int64_t bytes = (numel + P - 1) / P;
   for (int64_t j = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; j < bytes; j += int64_t(gridDim.x) * blockDim.x) {
     const uint8_t byte = packed[j];
-#pragma unroll
-    for (int slot = 0; slot < 4; ++slot) {
-      const int64_t i = 4 * j + slot;
-      if (i < numel) out[i] = static_cast<T>(static_cast<acc_t>(grad[i]) * level_of(unpack(byte, slot), levels.v));
+LOWMEM_UNROLL
+    for (int slot = 0; slot < P; ++slot) {
+      const int64_t i = P * j + slot;
+      if (i < numel) {
+        out[i] = static_cast<T>(static_cast<acc_t>(grad[i]) * level_of<kBits>(unpack<kBits>(byte, slot), levels.v));
+      }
     }
   }
 }
@@ -133,11 +141,25 @@ __global__ void norm_backward_kernel(const U* __restrict__ grad, const U* __rest
   }
 }
 
+// The first `count` values, the rest padded with `pad` (+inf thresholds: never exceeded; the last level).
 template <typename acc_t>
-Table<acc_t> table_of(const double* values, int count) {
+Table<acc_t> table_of(const double* values, int64_t count, int size, bool thresholds) {
   Table<acc_t> table{};
-  for (int k = 0; k < count; ++k) table.v[k] = acc_t(values[k]);
+  for (int k = 0; k < size; ++k) {
+    table.v[k] = k < count ? acc_t(values[k])
+                 : thresholds ? std::numeric_limits<acc_t>::infinity()
+                              : acc_t(values[count - 1]);
+  }
   return table;
+}
+
+template <typename F>
+void dispatch_bits(int bits, F&& f) {
+  switch (bits) {
+    case 1: f(std::integral_constant<int, 1>()); break;
+    case 2: f(std::integral_constant<int, 2>()); break;
+    default: f(std::integral_constant<int, 4>()); break;
+  }
 }
 
 // Threads per row: a multiple of 32 up to 512, no more than the row needs.
@@ -147,25 +169,35 @@ int norm_threads(int64_t dim) {
 
 }  // namespace
 
-void step_codes(const at::Tensor& x, const double* thresholds, at::Tensor& packed) {
+void act_forward(const at::Tensor& x, const std::string& kind, const double* thresholds, int64_t count, at::Tensor& y,
+                 at::Tensor& packed) {
   const c10::cuda::CUDAGuard guard(x.device());
+  if (y.defined()) stock_activation_out(kind, x, y);
   const int64_t blocks = elementwise_blocks(packed.numel());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "step_codes", [&] {
-    step_codes_kernel<scalar_t><<<blocks, kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
-        x.const_data_ptr<scalar_t>(), x.numel(), table_of<at::opmath_type<scalar_t>>(thresholds, 3),
-        packed.mutable_data_ptr<uint8_t>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "act_forward", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    dispatch_bits(storage_bits(count), [&](auto bits) {
+      constexpr int kBits = decltype(bits)::value;
+      step_codes_kernel<kBits, scalar_t><<<blocks, kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+          x.const_data_ptr<scalar_t>(), x.numel(), table_of<acc_t>(thresholds, count, Packing<kBits>::kThresholds, true),
+          packed.mutable_data_ptr<uint8_t>());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
   });
 }
 
-void step_scale(const at::Tensor& grad, const at::Tensor& packed, const double* levels, at::Tensor& out) {
+void step_scale(const at::Tensor& grad, const at::Tensor& packed, const double* levels, int64_t count, at::Tensor& out) {
   const c10::cuda::CUDAGuard guard(grad.device());
   const int64_t blocks = elementwise_blocks(packed.numel());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(), "step_scale", [&] {
-    step_scale_kernel<scalar_t><<<blocks, kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
-        grad.const_data_ptr<scalar_t>(), packed.const_data_ptr<uint8_t>(), grad.numel(),
-        table_of<at::opmath_type<scalar_t>>(levels, 4), out.mutable_data_ptr<scalar_t>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    using acc_t = at::opmath_type<scalar_t>;
+    dispatch_bits(storage_bits(count - 1), [&](auto bits) {
+      constexpr int kBits = decltype(bits)::value;
+      step_scale_kernel<kBits, scalar_t><<<blocks, kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+          grad.const_data_ptr<scalar_t>(), packed.const_data_ptr<uint8_t>(), grad.numel(),
+          table_of<acc_t>(levels, count, Packing<kBits>::kLevels, false), out.mutable_data_ptr<scalar_t>());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
   });
 }
 

@@ -3,18 +3,33 @@
 // Callers pass contiguous tensors of checked dtypes and preallocated outputs.
 #pragma once
 
+#include <ATen/ATen.h>
 #include <ATen/core/Tensor.h>
+
+#include <string>
 
 namespace lowmem {
 
 // The device type the linked kernels run on.
 extern const c10::DeviceType kKernelDevice;
 
-// packed[i/4] |= code(x[i]) << 2*(i%4), thresholds in x's accumulate type.
-void step_codes(const at::Tensor& x, const double* thresholds, at::Tensor& packed);
+// y = the stock ATen activation of x (kind: gelu, gelu_tanh or silu; checked by the caller).
+inline void stock_activation_out(const std::string& kind, const at::Tensor& x, at::Tensor& y) {
+  if (kind == "silu") {
+    at::silu_out(y, x);
+  } else {
+    at::gelu_out(y, x, kind == "gelu_tanh" ? "tanh" : "none");
+  }
+}
 
-// out[i] = grad[i] * levels[code(i)], computed in grad's accumulate type.
-void step_scale(const at::Tensor& grad, const at::Tensor& packed, const double* levels, at::Tensor& out);
+// y = stock activation of x, and packed[i/p] |= code(x[i]) << bits*(i%p) with p = 8/bits, bits the
+// storage bits of `count` thresholds (see storage_bits), thresholds in x's accumulate type.
+// An undefined y: the codes only.
+void act_forward(const at::Tensor& x, const std::string& kind, const double* thresholds, int64_t count, at::Tensor& y,
+                 at::Tensor& packed);
+
+// out[i] = grad[i] * levels[code(i)] over `count` levels, computed in grad's accumulate type.
+void step_scale(const at::Tensor& grad, const at::Tensor& packed, const double* levels, int64_t count, at::Tensor& out);
 
 // Row-wise affine-free norm over the trailing `dim` elements; rstd holds one value per row.
 void norm_forward(const at::Tensor& x, int64_t dim, double eps, bool center, at::Tensor& z, at::Tensor& rstd);

@@ -14,27 +14,62 @@
 #define LOWMEM_HD inline
 #endif
 
+#if defined(__CUDACC__)
+#define LOWMEM_UNROLL _Pragma("unroll")
+#elif defined(__clang__)
+#define LOWMEM_UNROLL _Pragma("unroll")
+#else
+#define LOWMEM_UNROLL _Pragma("GCC unroll 16")
+#endif
+
 namespace lowmem {
 
-// 2-bit code of one element: how many of the three ascending thresholds it exceeds.
-template <typename acc_t>
+// k-bit codes (k = 1, 2 or 4): a code is how many of the 2^k - 1 ascending thresholds an element
+// exceeds; 8/k codes per byte, element i in bits k*(i % (8/k)) of byte i / (8/k). Fewer thresholds
+// than 2^k - 1 (3-bit tables stored as 4-bit) are padded with +infinity, which nothing exceeds.
+template <int kBits>
+struct Packing {
+  static_assert(kBits == 1 || kBits == 2 || kBits == 4, "codes are 1, 2 or 4 bits");
+  static constexpr int kPerByte = 8 / kBits;
+  static constexpr int kThresholds = (1 << kBits) - 1;
+  static constexpr int kLevels = 1 << kBits;
+  static constexpr uint8_t kMask = static_cast<uint8_t>((1 << kBits) - 1);
+};
+
+template <int kBits, typename acc_t>
 LOWMEM_HD uint8_t step_code(acc_t x, const acc_t* thresholds) {
-  return static_cast<uint8_t>((x > thresholds[0]) + (x > thresholds[1]) + (x > thresholds[2]));
+  uint8_t code = 0;
+LOWMEM_UNROLL
+  for (int t = 0; t < Packing<kBits>::kThresholds; ++t) code += static_cast<uint8_t>(x > thresholds[t]);
+  return code;
 }
 
-// Element i of a packed buffer lives in bits 2*(i%4) of byte i/4.
-LOWMEM_HD uint8_t pack4(uint8_t c0, uint8_t c1, uint8_t c2, uint8_t c3) {
-  return static_cast<uint8_t>(c0 | (c1 << 2) | (c2 << 4) | (c3 << 6));
+template <int kBits>
+LOWMEM_HD uint8_t pack_byte(const uint8_t* codes) {
+  uint8_t byte = 0;
+LOWMEM_UNROLL
+  for (int slot = 0; slot < Packing<kBits>::kPerByte; ++slot) byte |= static_cast<uint8_t>(codes[slot] << (kBits * slot));
+  return byte;
 }
 
+template <int kBits>
 LOWMEM_HD uint8_t unpack(uint8_t byte, int slot) {
-  return static_cast<uint8_t>((byte >> (2 * slot)) & 3);
+  return static_cast<uint8_t>((byte >> (kBits * slot)) & Packing<kBits>::kMask);
 }
 
-// Derivative level of a code, without indexing (a dynamic index would spill to local memory on GPU).
-template <typename acc_t>
+// Derivative level of a code by an unrolled select chain, not indexing (a dynamic index would
+// spill the table to local memory on GPU).
+template <int kBits, typename acc_t>
 LOWMEM_HD acc_t level_of(uint8_t code, const acc_t* levels) {
-  return code == 0 ? levels[0] : code == 1 ? levels[1] : code == 2 ? levels[2] : levels[3];
+  acc_t level = levels[0];
+LOWMEM_UNROLL
+  for (int k = 1; k < Packing<kBits>::kLevels; ++k) level = code >= k ? levels[k] : level;
+  return level;
+}
+
+// Storage bits for a number of thresholds (1 -> 1, 2..3 -> 2, 4..15 -> 4); 0 if unsupported.
+LOWMEM_HD int storage_bits(int64_t thresholds) {
+  return thresholds == 1 ? 1 : thresholds >= 2 && thresholds <= 3 ? 2 : thresholds >= 4 && thresholds <= 15 ? 4 : 0;
 }
 
 template <typename V>

@@ -6,11 +6,15 @@ functions with the same contract, so the autograd functions in
 
 - ``act_forward(x, kind, thresholds) -> (y, packed)``: ``y`` is the stock activation
   (``kind`` is ``"gelu"``, ``"gelu_tanh"`` or ``"silu"``), ``packed`` the uint8 buffer of
-  ``ceil(numel/4)`` bytes holding ``code = sum(x > t_i)`` for every element in row-major
-  order, 2 bits each, element ``i`` in bits ``2*(i%4)`` of byte ``i//4``. Thresholds are
-  compared in fp32 (fp64 for fp64 input).
+  ``ceil(numel*k/8)`` bytes holding ``code = sum(x > t_i)`` for every element in row-major
+  order. With ``n = len(thresholds)`` (ascending) codes take ``k = storage_bits(n)`` bits: 1 for
+  one threshold, 2 for two or three, 4 for four to fifteen (3-bit tables pack as 4); ``8/k`` codes
+  per byte, element ``i`` in bits ``k*(i % (8/k))`` of byte ``i // (8/k)``, the buffer
+  ``ceil(numel*k/8)`` bytes (the legacy 2-bit layout is ``n = 3``). Thresholds are compared in
+  fp32 (fp64 for fp64 input).
 - ``act_backward(grad, packed, levels) -> grad_input``: ``grad * levels[code]``, computed in
-  fp32 (fp64 for fp64 grads) and returned in ``grad``'s dtype and shape.
+  fp32 (fp64 for fp64 grads) and returned in ``grad``'s dtype and shape; ``len(levels)`` is
+  ``len(thresholds) + 1``, which fixes the storage bits.
 - ``norm_forward(x, dim, eps, center, out_dtype) -> (z, rstd)``: ``x`` is contiguous and
   normalized over its trailing ``dim`` elements; ``z`` (shape of ``x``, ``out_dtype``) is the
   affine-free output and ``rstd`` (one per row, fp32, fp64 for fp64 input) the reciprocal
@@ -24,7 +28,20 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-_SHIFTS = (0, 2, 4, 6)
+def storage_bits(count: int) -> int:
+    """Bits per code for ``count`` thresholds: 1, 2 or 4 (a 3-bit table packs as 4)."""
+    if count == 1:
+        return 1
+    if 2 <= count <= 3:
+        return 2
+    if 4 <= count <= 15:
+        return 4
+    raise ValueError(f"expected 1 to 15 thresholds (1-4 bit codes), got {count}")
+
+
+def packed_bytes(numel: int, bits: int) -> int:
+    """Bytes of ``numel`` codes of ``storage_bits`` ``bits``: ``ceil(numel * k / 8)``."""
+    return (numel * bits + 7) // 8
 
 
 def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -38,37 +55,45 @@ def stock_activation(x: torch.Tensor, kind: str) -> torch.Tensor:
     return F.gelu(x, approximate="tanh" if kind == "gelu_tanh" else "none")
 
 
-def pack_codes(codes: torch.Tensor) -> torch.Tensor:
-    """Pack a flat uint8 tensor of 2-bit codes, 4 per byte (the last byte zero-padded)."""
-    pad = (-codes.numel()) % 4
+def _shifts(bits: int, device: torch.device) -> torch.Tensor:
+    return torch.arange(0, 8, bits, dtype=torch.uint8, device=device)
+
+
+def pack_codes(codes: torch.Tensor, bits: int = 2) -> torch.Tensor:
+    """Pack a flat uint8 tensor of ``bits``-bit codes, ``8/bits`` per byte (the last byte zero-padded)."""
+    per = 8 // bits
+    pad = (-codes.numel()) % per
     if pad:
         codes = F.pad(codes, (0, pad))
-    quads = codes.view(-1, 4)
-    packed = quads[:, 0].clone()
-    for column, shift in enumerate(_SHIFTS[1:], start=1):
-        packed |= quads[:, column] << shift
+    groups = codes.view(-1, per) << _shifts(bits, codes.device)
+    packed = groups[:, 0].clone()
+    for column in range(1, per):
+        packed |= groups[:, column]
     return packed
 
 
-def unpack_codes(packed: torch.Tensor, numel: int) -> torch.Tensor:
+def unpack_codes(packed: torch.Tensor, numel: int, bits: int = 2) -> torch.Tensor:
     """Inverse of :func:`pack_codes`: a flat int64 tensor of ``numel`` codes."""
-    shifts = torch.tensor(_SHIFTS, dtype=torch.uint8, device=packed.device)
-    codes = (packed.unsqueeze(1) >> shifts) & 3
+    codes = (packed.unsqueeze(1) >> _shifts(bits, packed.device)) & ((1 << bits) - 1)
     return codes.view(-1)[:numel].long()
 
 
 def act_forward(x: torch.Tensor, kind: str, thresholds: tuple[float, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    bits = storage_bits(len(thresholds))
     xa = x.reshape(-1).to(accumulate_dtype(x.dtype))
     codes = torch.zeros(xa.shape, dtype=torch.uint8, device=x.device)
     for threshold in thresholds:
         codes += xa > threshold
-    return stock_activation(x, kind), pack_codes(codes)
+    return stock_activation(x, kind), pack_codes(codes, bits)
 
 
 def act_backward(grad: torch.Tensor, packed: torch.Tensor, levels: tuple[float, ...]) -> torch.Tensor:
+    bits = storage_bits(len(levels) - 1)
+    if packed.numel() != packed_bytes(grad.numel(), bits):
+        raise ValueError(f"act_backward: {packed.numel()} packed bytes do not hold {grad.numel()} codes of {bits} bits")
     acc = accumulate_dtype(grad.dtype)
     table = torch.tensor(levels, dtype=acc, device=grad.device)
-    derivative = table[unpack_codes(packed, grad.numel())].view(grad.shape)
+    derivative = table[unpack_codes(packed, grad.numel(), bits)].view(grad.shape)
     return (grad.to(acc) * derivative).to(grad.dtype)
 
 

@@ -39,10 +39,11 @@ class LowMemBP(Callback):
         linear: str | bool = "auto",
         verify: bool = True,
         measure: bool = True,
+        bits: int = 2,
     ) -> None:
         self.options = {
             "activation": activation, "norm": norm, "include": include, "exclude": exclude,
-            "linear": linear, "verify": verify, "measure": measure,
+            "linear": linear, "verify": verify, "measure": measure, "bits": bits,
         }  # fmt: skip
         self.report: LowMemReport | None = None
         self._printed = False

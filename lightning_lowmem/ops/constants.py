@@ -31,3 +31,30 @@ SILU_2BIT = _from_relu_weights(
     1.080925428529668,
     (-6.3050461001646445, -0.0008684942046214787, 6.325815242089708),
 )
+
+SUPPORTED_BITS = (1, 2, 3, 4)
+# Activation kinds of the kernels -> their name in the fitted tables.
+_TABLE_NAME = {"gelu": "gelu", "gelu_tanh": "gelu_tanh", "silu": "silu", "quick_gelu": "quick_gelu", "mish": "mish"}
+_PAPER_2BIT = {"gelu": GELU_2BIT, "gelu_tanh": GELU_2BIT, "silu": SILU_2BIT}
+
+
+def step_derivative(kind: str, bits: int = 2) -> StepDerivative:
+    """The ``bits``-bit step derivative of an activation (``gelu``, ``gelu_tanh``, ``silu``, ``quick_gelu``, ``mish``).
+
+    At 2 bits GELU (both forms) and SiLU use the paper's constants; everything else comes from the
+    fitted tables of :mod:`lightning_lowmem.ops.step_tables` (3-bit codes are stored in 4 bits).
+    """
+    if bits not in SUPPORTED_BITS:
+        raise ValueError(f"bits must be one of {SUPPORTED_BITS}, got {bits!r}")
+    if kind not in _TABLE_NAME:
+        raise ValueError(f"no step derivative for activation {kind!r}; known: {sorted(_TABLE_NAME)}")
+    if bits == 2 and kind in _PAPER_2BIT:
+        return _PAPER_2BIT[kind]
+    from lightning_lowmem.ops.step_tables import TABLES
+
+    return TABLES[_TABLE_NAME[kind]][bits]
+
+
+def storage_bits(bits: int) -> int:
+    """Bits each code occupies in memory: 1, 2 or 4 (3-bit codes are stored as 4)."""
+    return 4 if bits == 3 else bits

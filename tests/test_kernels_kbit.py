@@ -1,0 +1,127 @@
+"""k-bit step derivatives (1, 2, 3 stored as 4, 4 bits): layout, saved bytes, exact backward, all backends."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lightning_lowmem import functional, kernels
+from lightning_lowmem.kernels import build, torch_ops
+from lightning_lowmem.nn import ReGELU2, ReSiLU2
+from lightning_lowmem.ops.constants import GELU_2BIT, SILU_2BIT, step_derivative, storage_bits
+from lightning_lowmem.ops.step_tables import TABLES
+
+BITS = (1, 2, 3, 4)
+KINDS = ("gelu", "gelu_tanh", "silu")
+SIZES = [0, 1, 3, 7, 9, 4095, 4097, 2 * 4096 + 5, 100_003]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+
+
+def cpp():
+    loaded = build.load("cpu")
+    if isinstance(loaded, build.BuildError):
+        pytest.fail(f"the cpu extension must build here: {loaded}")
+    return loaded
+
+
+def with_thresholds(n: int, step, dtype) -> torch.Tensor:
+    """Wide random values with the thresholds themselves (as rounded to dtype) at the front."""
+    x = torch.randn(n, dtype=torch.float64) * 5
+    t = torch.tensor(step.thresholds, dtype=torch.float64)
+    k = min(n, t.numel())
+    x[:k] = t[:k]
+    return x.to(dtype)
+
+
+def reference_codes(x: torch.Tensor, thresholds) -> torch.Tensor:
+    xa = x.reshape(-1).to(torch_ops.accumulate_dtype(x.dtype))
+    return sum((xa > t).long() for t in thresholds) if thresholds else torch.zeros_like(xa, dtype=torch.long)
+
+
+@pytest.mark.parametrize("bits", BITS)
+def test_layout_is_k_bits_per_code_low_bits_first(bits):
+    step = step_derivative("gelu", bits)
+    k = storage_bits(bits)
+    x = with_thresholds(37, step, torch.float32)
+    _, packed = torch_ops.act_forward(x, "gelu", step.thresholds)
+    assert packed.numel() == math.ceil(37 * k / 8)
+    codes = reference_codes(x, step.thresholds)
+    per = 8 // k
+    for i in range(37):
+        assert (int(packed[i // per]) >> (k * (i % per))) & ((1 << k) - 1) == int(codes[i])
+    assert torch.equal(torch_ops.unpack_codes(packed, 37, k), codes)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("bits", BITS)
+def test_cpp_matches_reference_for_each_k(bits, kind, dtype):
+    ext, step = cpp(), step_derivative(kind, bits)
+    for n in SIZES:
+        x = with_thresholds(n, step, dtype)
+        y, packed = ext.act_forward(x, kind, step.thresholds)
+        y_ref, packed_ref = torch_ops.act_forward(x, kind, step.thresholds)
+        assert torch.equal(y, y_ref), n
+        assert torch.equal(packed, packed_ref), n
+        g = torch.randn(n, dtype=torch.float64).to(dtype)
+        assert torch.equal(ext.act_backward(g, packed, step.levels), torch_ops.act_backward(g, packed_ref, step.levels))
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("op,kind", [(functional.regelu2, "gelu"), (functional.resilu2, "silu")])
+def test_saved_bytes_and_exact_backward(op, kind, bits):
+    """Saves ceil(numel*k/8) bytes; the gradient is grad * levels[sum(x > t)], exactly."""
+    step = step_derivative(kind, bits)
+    x = with_thresholds(8 * 197 + 3, step, torch.float32).view(1, -1).requires_grad_()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = op(x, bits=bits)
+    assert [(t.dtype, t.numel()) for t in saved] == [(torch.uint8, math.ceil(x.numel() * storage_bits(bits) / 8))]
+    assert torch.equal(y, F.gelu(x) if kind == "gelu" else F.silu(x))
+    g = torch.randn_like(x)
+    (grad,) = torch.autograd.grad(y, x, g)
+    levels = torch.tensor(step.levels, dtype=torch.float32)
+    expected = g * levels[reference_codes(x.detach(), step.thresholds)].view_as(g)
+    assert torch.equal(grad, expected)
+
+
+def test_default_is_the_papers_two_bit_constants():
+    assert step_derivative("gelu") == GELU_2BIT and step_derivative("gelu_tanh", 2) == GELU_2BIT
+    assert step_derivative("silu") == SILU_2BIT
+    assert step_derivative("gelu", 4) == TABLES["gelu"][4]
+
+
+def test_modules_and_bad_bits():
+    x = torch.randn(4, 33, requires_grad=True)
+    for module in (ReGELU2(bits=4), ReGELU2("tanh", bits=1), ReSiLU2(bits=3)):
+        module(x).sum().backward()
+        assert f"{module.bits}-bit" in repr(module)
+    for bad in (0, 5, 8):
+        with pytest.raises(ValueError, match="bits"):
+            ReGELU2(bits=bad)
+        with pytest.raises(ValueError, match="regelu2.*bits"):
+            functional.regelu2(x, bits=bad)
+    with pytest.raises(ValueError, match="thresholds"):
+        cpp().act_forward(x, "gelu", tuple(range(16)))
+    with pytest.raises(ValueError, match="levels"):
+        cpp().act_backward(x, torch.zeros(132, dtype=torch.uint8), (0.0,) * 17)
+    with pytest.raises(ValueError, match="packed bytes"):
+        cpp().act_backward(x, torch.zeros(33, dtype=torch.uint8), (0.0,) * 16)
+
+
+def test_surgery_and_callback_take_bits():
+    from lightning_lowmem import LowMemBP, apply_lowmem
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8), torch.nn.SiLU())
+    apply_lowmem(model, bits=4)
+    assert model[1].bits == 4 and model[3].bits == 4
+    assert LowMemBP(bits=1).options["bits"] == 1
+    with pytest.raises(ValueError, match="bits"):
+        apply_lowmem(torch.nn.Sequential(torch.nn.GELU()), bits=5)
+
+
+def test_backend_in_use_is_compiled_here():
+    assert kernels.backend("cpu") in ("cpp", "torch")
