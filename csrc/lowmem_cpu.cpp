@@ -138,6 +138,27 @@ void act_forward_kernel(const at::Tensor& x, const std::string& kind, const at::
   });
 }
 
+// Byte-per-element codes of `bytes` packed bytes; __restrict lets the compiler vectorize the shuffle.
+template <int kBits>
+void unpack_block(const uint8_t* __restrict packed, int64_t bytes, uint8_t* __restrict codes) {
+  constexpr int P = Packing<kBits>::kPerByte;
+  for (int64_t j = 0; j < bytes; ++j) {
+    for (int slot = 0; slot < P; ++slot) codes[P * j + slot] = unpack<kBits>(packed[j], slot);
+  }
+}
+
+template <int kBits, typename acc_t>
+void scale_block(const acc_t* __restrict grad, const uint8_t* __restrict codes, int64_t n, const acc_t* levels_in,
+                 acc_t* __restrict out) {
+  acc_t levels[Packing<kBits>::kLevels];  // local: the selects vectorize
+  for (int k = 0; k < Packing<kBits>::kLevels; ++k) levels[k] = levels_in[k];
+  if constexpr (kBits == 4) {
+    for (int64_t i = 0; i < n; ++i) out[i] = grad[i] * levels[codes[i]];  // 16 levels: a table lookup
+  } else {
+    for (int64_t i = 0; i < n; ++i) out[i] = grad[i] * level_of<kBits>(codes[i], levels);
+  }
+}
+
 template <int kBits, typename T>
 void step_scale_kernel(const T* grad, const uint8_t* packed, int64_t numel, const double* levels_in, int64_t count,
                        T* out) {
@@ -153,21 +174,10 @@ void step_scale_kernel(const T* grad, const uint8_t* packed, int64_t numel, cons
     for (int64_t b0 = begin; b0 < end; b0 += kBlockBytes) {
       const int64_t nb = std::min(kBlockBytes, end - b0);
       const int64_t ne = std::min(P * nb, numel - P * b0);
-      {
-        const uint8_t* __restrict src = packed + b0;
-        uint8_t* __restrict dst = codes.data();
-        for (int64_t j = 0; j < nb; ++j) {
-          for (int slot = 0; slot < P; ++slot) dst[P * j + slot] = unpack<kBits>(src[j], slot);
-        }
-      }
+      unpack_block<kBits>(packed + b0, nb, codes.data());
       const acc_t* g = as_acc(grad + P * b0, buf.data(), ne);
-      acc_t* __restrict result = std::is_same_v<T, acc_t> ? reinterpret_cast<acc_t*>(out + P * b0) : buf.data();
-      const uint8_t* __restrict c = codes.data();
-      if constexpr (kBits == 4) {
-        for (int64_t i = 0; i < ne; ++i) result[i] = g[i] * levels[c[i]];  // 16 levels: a table lookup
-      } else {
-        for (int64_t i = 0; i < ne; ++i) result[i] = g[i] * level_of<kBits>(c[i], levels);
-      }
+      acc_t* result = std::is_same_v<T, acc_t> ? reinterpret_cast<acc_t*>(out + P * b0) : buf.data();
+      scale_block<kBits>(g, codes.data(), ne, levels, result);
       if constexpr (!std::is_same_v<T, acc_t>) at::vec::convert(result, out + P * b0, ne);
     }
   });
@@ -178,7 +188,7 @@ int64_t row_grain(int64_t dim) { return std::max<int64_t>(1, 32768 / dim); }
 
 // Rows are walked in L1-sized chunks (staged to fp32 when the type is narrower), never copied whole:
 // a long row (11008 bf16 elements) staged whole would overflow L1 and cost a third memory pass.
-constexpr int64_t kChunk = 2048;
+constexpr int64_t kChunk = 4096;  // a row of up to kChunk elements is staged once
 
 template <typename T, typename U>
 void norm_forward_kernel(const T* x, int64_t rows, int64_t dim, double eps_in, bool center, U* z, at::opmath_type<T>* rstd) {
@@ -214,7 +224,7 @@ void norm_forward_kernel(const T* x, int64_t rows, int64_t dim, double eps_in, b
       rstd[row] = r;
       for (int64_t c0 = 0; c0 < dim; c0 += kChunk) {
         const int64_t n = std::min(kChunk, dim - c0);
-        const acc_t* xr = as_acc(xrow + c0, staged.data(), n);
+        const acc_t* xr = dim <= kChunk && !std::is_same_v<T, acc_t> ? staged.data() : as_acc(xrow + c0, staged.data(), n);
         acc_t* zr = std::is_same_v<U, acc_t> ? reinterpret_cast<acc_t*>(z + row * dim + c0) : out_buf.data();
         row_for_each<acc_t>(n, [&](int64_t i, auto v) {
           using V = decltype(v);
@@ -252,8 +262,9 @@ void norm_backward_kernel(const U* grad, const U* z, const at::opmath_type<U>* r
       const acc_t r = rstd[row];
       for (int64_t c0 = 0; c0 < dim; c0 += kChunk) {
         const int64_t n = std::min(kChunk, dim - c0);
-        const acc_t* g = as_acc(grow + c0, g_buf.data(), n);
-        const acc_t* zr = as_acc(zrow + c0, z_buf.data(), n);
+        const bool reuse = dim <= kChunk && !std::is_same_v<U, acc_t>;  // still staged from the first pass
+        const acc_t* g = reuse ? g_buf.data() : as_acc(grow + c0, g_buf.data(), n);
+        const acc_t* zr = reuse ? z_buf.data() : as_acc(zrow + c0, z_buf.data(), n);
         acc_t* dx = std::is_same_v<T, acc_t> ? reinterpret_cast<acc_t*>(grad_input + row * dim + c0) : out_buf.data();
         row_for_each<acc_t>(n, [&](int64_t i, auto v) {
           using V = decltype(v);
