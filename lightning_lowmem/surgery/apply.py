@@ -193,14 +193,16 @@ def _norm_detail(name: str, spec: NormSpec, consumers: list[str]) -> str:
     return f"{kind}, affine applied by {', '.join(c.removeprefix(parent) for c in consumers)}"
 
 
-def _peft_owner(model: nn.Module, linear: str) -> nn.Module | None:
-    """The peft LoRA layer a ``base_layer`` / ``lora_A`` linear belongs to, if any."""
-    parts = linear.split(".")
-    for cut in (1, 2):  # x.base_layer -> x ; x.lora_A.default -> x
-        owner = model.get_submodule(".".join(parts[:-cut])) if len(parts) > cut else None
-        if owner is not None and hasattr(owner, "cast_input_dtype_enabled"):
-            return owner
-    return None
+def _casts_itself(module: nn.Module) -> bool:
+    """A peft LoRA layer whose every ``lora_A`` is a :class:`LowMemLinear`, which casts its input
+    itself: peft's own input cast would only add a copy (which ``lora_A`` then saves)."""
+    lora_a = getattr(module, "lora_A", None)
+    return (
+        getattr(module, "cast_input_dtype_enabled", False) is True
+        and isinstance(lora_a, nn.ModuleDict)
+        and len(lora_a) > 0
+        and all(isinstance(m, LowMemLinear) for m in lora_a.values())
+    )
 
 
 def apply_lowmem(
@@ -330,15 +332,15 @@ def apply_lowmem(
             consumers = sorted(flow.consumers[name])
             for linear_name in consumers:
                 consumers_of[linear_name] = new
-                owner = _peft_owner(model, linear_name)
-                if owner is not None:  # its input cast would copy z, which lora_A would then save
-                    surgery.set(owner, "cast_input_dtype_enabled", False)
             entries[name] = Entry(name, "norm", type(module).__name__, "converted", _norm_detail(name, spec, consumers))
         for name, module in named.items():
             recast = do_linear and selected(name) and is_plain(module)
             if type(module) is nn.Linear and (name in consumers_of or recast):
                 surgery.replace(module, LowMemLinear.from_linear(module, norm=consumers_of.get(name)))
                 report.linears += 1
+        for module in model.modules():
+            if _casts_itself(module):
+                surgery.set(module, "cast_input_dtype_enabled", False)
         if reference is not None:
             _check_same(reference, _eval_outputs(model, example_input))
     except BaseException:

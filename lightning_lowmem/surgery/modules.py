@@ -44,6 +44,7 @@ class AffineLinearFunction(torch.autograd.Function):
 
     Parameters (``W``, ``b``, ``gamma``, ``beta``) are saved as they are, full precision, and cast
     to the compute dtype again in backward, so nothing but ``z`` counts as activation memory.
+    Without an affine the input is saved in the compute dtype, as a stock linear would.
     """
 
     @staticmethod
@@ -51,7 +52,8 @@ class AffineLinearFunction(torch.autograd.Function):
         with torch.autocast(z.device.type, enabled=False):
             x = _affine(z, gamma, beta, dtype)
             out = F.linear(x, weight.to(dtype), None if bias is None else bias.to(dtype))
-        ctx.save_for_backward(z, weight, gamma, beta)
+        shared = z if gamma is not None or beta is not None else x
+        ctx.save_for_backward(shared, weight, gamma, beta)
         ctx.dtype, ctx.has_bias = dtype, bias is not None
         return out
 
