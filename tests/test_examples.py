@@ -25,7 +25,8 @@ def test_config_runs_under_lightning_cli(config, tmp_path):
 
     cli = LightningCLI(
         model_class, data_class,
-        args=["fit", "--config", str(config), "--trainer.fast_dev_run=2", f"--trainer.default_root_dir={tmp_path}"],
+        args=["fit", "--config", str(config), "--trainer.fast_dev_run=1", "--data.batch_size=4",
+              f"--trainer.default_root_dir={tmp_path}"],
         save_config_kwargs={"overwrite": True},
     )  # fmt: skip
     assert cli.trainer.state.finished
@@ -47,7 +48,7 @@ def test_method_switches_on_from_the_command_line(tmp_path):
 
 
 def test_main_job_prints_the_saving(capsys, tmp_path):
-    results = compare.main(["--epochs", "1", "--limit-batches", "3", "--root", str(tmp_path)])
+    results = compare.main(["--epochs", "1", "--limit-batches", "2", "--batch-size", "8", "--root", str(tmp_path)])
     out = capsys.readouterr().out
     assert "Activation memory saved by lightning-lowmem" in out
     assert results["lowmem"]["activation MiB"] < 0.8 * results["baseline"]["activation MiB"]
