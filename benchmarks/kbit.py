@@ -116,7 +116,9 @@ def main() -> None:
     torch.manual_seed(0)
     model, tokenizer = load_model()
     samples = docstrings(per_class=args.batch // 8 + 1)[: args.batch]
-    batch = tokenizer([t for t, _ in samples], padding=True, truncation=True, max_length=args.length, return_tensors="pt")
+    batch = tokenizer(
+        [t for t, _ in samples], padding=True, truncation=True, max_length=args.length, return_tensors="pt"
+    )
     labels = torch.tensor([label for _, label in samples])
     rows = []
     for name in EXACT:

@@ -11,7 +11,7 @@ from lightning_lowmem.ops.step_tables import OBJECTIVES, TABLES
 
 pytest.importorskip("scipy")
 
-from lightning_lowmem.approx import fit_step_derivative, objective_value  # noqa: E402
+from lightning_lowmem.approx import fit_step_derivative, objective_value
 
 ACTIVATION_NAMES = ("gelu", "gelu_tanh", "silu", "quick_gelu", "mish")
 
@@ -41,14 +41,12 @@ def test_two_bit_fit_reaches_the_papers_objective_and_constants(name, paper):
     spread = paper.thresholds[-1] - paper.thresholds[0]
     # the objective is symmetric under x -> -x for GELU/SiLU (h'(x) + h'(-x) = 1): compare both mirror images
     mirrored = tuple(-t for t in reversed(fitted.thresholds))
-    error = min(
-        max(abs(a - b) for a, b in zip(c, paper.thresholds)) for c in (fitted.thresholds, mirrored)
-    )
+    error = min(max(abs(a - b) for a, b in zip(c, paper.thresholds)) for c in (fitted.thresholds, mirrored))
     assert error < 0.01 * spread
     mirrored_levels = tuple(1.0 - v for v in reversed(fitted.levels))
-    assert min(
-        max(abs(a - b) for a, b in zip(levels, paper.levels)) for levels in (fitted.levels, mirrored_levels)
-    ) < 0.01
+    assert (
+        min(max(abs(a - b) for a, b in zip(levels, paper.levels)) for levels in (fitted.levels, mirrored_levels)) < 0.01
+    )
 
 
 @pytest.mark.parametrize("name", ["gelu", "silu", "mish"])

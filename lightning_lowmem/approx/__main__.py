@@ -1,11 +1,13 @@
 """Fit every activation at 1-4 bits and print (or, with --write, generate) the shipped tables.
 
-    python -m lightning_lowmem.approx [--write] [--bits 1 2 3 4] [--activations gelu silu ...]
+python -m lightning_lowmem.approx [--write] [--bits 1 2 3 4] [--activations gelu silu ...]
 """
 
 from __future__ import annotations
 
 import argparse
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -58,12 +60,16 @@ def main() -> None:
             started = time.perf_counter()
             step = fit_step_derivative(name, bits)
             tables[name][bits], objectives[name][bits] = step, objective_value(name, step)
-            print(f"{name} {bits}-bit: objective {objectives[name][bits]:.6g} "
-                  f"({time.perf_counter() - started:.0f} s) thresholds {[round(t, 4) for t in step.thresholds]}",
-                  flush=True)
+            print(
+                f"{name} {bits}-bit: objective {objectives[name][bits]:.6g} "
+                f"({time.perf_counter() - started:.0f} s) thresholds {[round(t, 4) for t in step.thresholds]}",
+                flush=True,
+            )
     text = render(tables, objectives)
     if args.write:
         TABLE_PATH.write_text(text)
+        # keep the generated module in the repository's style when ruff is installed
+        subprocess.run([sys.executable, "-m", "ruff", "format", "-q", str(TABLE_PATH)], check=False)
         print(f"wrote {TABLE_PATH}")
     else:
         print(text)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+
 def storage_bits(count: int) -> int:
     """Bits per code for ``count`` thresholds: 1, 2 or 4 (a 3-bit table packs as 4)."""
     if count == 1:
