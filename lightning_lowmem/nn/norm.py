@@ -29,51 +29,51 @@ def _refuse_affine(cls: type, module: nn.Module) -> None:
         )
 
 
-class MSLayerNorm(nn.Module):
-    """Affine-free LayerNorm that shares its saved output with the next linear layer."""
+class _MemorySharingNorm(nn.Module):
+    """Shared plumbing of the two norms: shape, eps, ``from_module``, repr."""
 
-    def __init__(self, normalized_shape: int | Sequence[int], eps: float = 1e-5) -> None:
+    stock: type[nn.Module]
+
+    def __init__(self, normalized_shape: int | Sequence[int], eps: float | None) -> None:
         super().__init__()
         self.normalized_shape = _shape(normalized_shape)
         self.eps = eps
 
     @classmethod
-    def from_module(cls, module: nn.Module) -> MSLayerNorm:
-        """Build from an ``nn.LayerNorm`` without affine parameters."""
-        if not isinstance(module, nn.LayerNorm):
-            raise TypeError(f"MSLayerNorm.from_module expects nn.LayerNorm, got {type(module).__name__}")
+    def from_module(cls, module: nn.Module):
+        """Build from the matching stock norm without affine parameters."""
+        if not isinstance(module, cls.stock):
+            raise TypeError(f"{cls.__name__}.from_module expects nn.{cls.stock.__name__}, got {type(module).__name__}")
         _refuse_affine(cls, module)
         return cls(module.normalized_shape, module.eps)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ms_layer_norm(x, self.normalized_shape, self.eps)
 
     def extra_repr(self) -> str:
         return f"{self.normalized_shape}, eps={self.eps}, saves=output+rstd"
 
 
-class MSRMSNorm(nn.Module):
+class MSLayerNorm(_MemorySharingNorm):
+    """Affine-free LayerNorm that shares its saved output with the next linear layer."""
+
+    stock = nn.LayerNorm
+
+    def __init__(self, normalized_shape: int | Sequence[int], eps: float = 1e-5) -> None:
+        super().__init__(normalized_shape, eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ms_layer_norm(x, self.normalized_shape, self.eps)
+
+
+class MSRMSNorm(_MemorySharingNorm):
     """Affine-free RMSNorm that shares its saved output with the next linear layer.
 
     ``eps=None`` means ``torch.finfo(x.dtype).eps``, as in ``nn.RMSNorm``.
     """
 
-    def __init__(self, normalized_shape: int | Sequence[int], eps: float | None = 1e-6) -> None:
-        super().__init__()
-        self.normalized_shape = _shape(normalized_shape)
-        self.eps = eps
+    stock = nn.RMSNorm
 
-    @classmethod
-    def from_module(cls, module: nn.Module) -> MSRMSNorm:
-        """Build from an ``nn.RMSNorm`` without affine parameters."""
-        if not isinstance(module, nn.RMSNorm):
-            raise TypeError(f"MSRMSNorm.from_module expects nn.RMSNorm, got {type(module).__name__}")
-        _refuse_affine(cls, module)
-        return cls(module.normalized_shape, module.eps)
+    def __init__(self, normalized_shape: int | Sequence[int], eps: float | None = 1e-6) -> None:
+        super().__init__(normalized_shape, eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps
         return ms_rms_norm(x, self.normalized_shape, eps)
-
-    def extra_repr(self) -> str:
-        return f"{self.normalized_shape}, eps={self.eps}, saves=output+rstd"
