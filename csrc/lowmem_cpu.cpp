@@ -278,15 +278,6 @@ void norm_backward_kernel(const U* grad, const U* z, const at::opmath_type<U>* r
 
 }  // namespace
 
-template <typename F>
-void dispatch_bits(int bits, F&& f) {
-  switch (bits) {
-    case 1: f(std::integral_constant<int, 1>()); break;
-    case 2: f(std::integral_constant<int, 2>()); break;
-    default: f(std::integral_constant<int, 4>()); break;
-  }
-}
-
 void act_forward(const at::Tensor& x, const std::string& kind, const double* thresholds_in, int64_t count, at::Tensor& y,
                  at::Tensor& packed) {
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "act_forward", [&] {

@@ -153,15 +153,6 @@ Table<acc_t> table_of(const double* values, int64_t count, int size, bool thresh
   return table;
 }
 
-template <typename F>
-void dispatch_bits(int bits, F&& f) {
-  switch (bits) {
-    case 1: f(std::integral_constant<int, 1>()); break;
-    case 2: f(std::integral_constant<int, 2>()); break;
-    default: f(std::integral_constant<int, 4>()); break;
-  }
-}
-
 // Threads per row: a multiple of 32 up to 512, no more than the row needs.
 int norm_threads(int64_t dim) {
   return static_cast<int>(std::min<int64_t>(512, std::max<int64_t>(32, (dim + 31) / 32 * 32)));

@@ -5,6 +5,7 @@
 // at::vec::Vectorized of one: only +, -, * and construction from a scalar are used.
 #pragma once
 
+#include <type_traits>
 #include <cmath>
 #include <cstdint>
 
@@ -70,6 +71,16 @@ LOWMEM_UNROLL
 // Storage bits for a number of thresholds (1 -> 1, 2..3 -> 2, 4..15 -> 4); 0 if unsupported.
 LOWMEM_HD int storage_bits(int64_t thresholds) {
   return thresholds == 1 ? 1 : thresholds >= 2 && thresholds <= 3 ? 2 : thresholds >= 4 && thresholds <= 15 ? 4 : 0;
+}
+
+// Host-side: call ``f`` with the storage bits as a compile-time constant (1, 2 or 4).
+template <typename F>
+inline void dispatch_bits(int bits, F&& f) {
+  switch (bits) {
+    case 1: f(std::integral_constant<int, 1>()); break;
+    case 2: f(std::integral_constant<int, 2>()); break;
+    default: f(std::integral_constant<int, 4>()); break;
+  }
 }
 
 template <typename V>

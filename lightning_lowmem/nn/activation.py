@@ -15,6 +15,11 @@ def _check_bits(name: str, bits: int) -> int:
     return bits
 
 
+
+def _backward_repr(bits: int) -> str:
+    stored = storage_bits(bits)
+    return f"backward={bits}-bit" + ("" if stored == bits else f" (stored in {stored} bits)")
+
 class ReGELU2(nn.Module):
     """GELU with a ``bits``-bit approximate backward (default 2: saves 0.25 byte per element).
 
@@ -39,7 +44,7 @@ class ReGELU2(nn.Module):
         return regelu2(x, approximate=self.approximate, bits=self.bits)
 
     def extra_repr(self) -> str:
-        return f"approximate={self.approximate!r}, backward={self.bits}-bit (stored in {storage_bits(self.bits)})"
+        return f"approximate={self.approximate!r}, {_backward_repr(self.bits)}"
 
 
 class ReSiLU2(nn.Module):
@@ -60,4 +65,4 @@ class ReSiLU2(nn.Module):
         return resilu2(x, bits=self.bits)
 
     def extra_repr(self) -> str:
-        return f"backward={self.bits}-bit (stored in {storage_bits(self.bits)})"
+        return _backward_repr(self.bits)
