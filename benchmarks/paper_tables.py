@@ -63,7 +63,7 @@ def freeze_lora_a(model: nn.Module) -> nn.Module:
 def vit_base(setting: str, smoke: bool) -> nn.Module:
     import timm
 
-    kwargs = dict(img_size=32, patch_size=8, depth=2) if smoke else {}
+    kwargs = dict(img_size=32, patch_size=8, depth=2, embed_dim=64, num_heads=2) if smoke else {}
     model = timm.create_model("vit_base_patch16_224", pretrained=False, **kwargs)
     targets, frozen_a = VIT_SETTINGS[setting]
     if targets is None:
