@@ -179,7 +179,7 @@ def main() -> None:
             f"{accuracy_table}\n\nGradient cosine similarity at the pretrained initialisation (one batch of 32):\n\n"
             f"{cosine_table}"
         )
-        write_section("parity", body, "python benchmarks/parity.py")
+        write_section("parity", body, " ".join(["python benchmarks/parity.py", *sys.argv[1:]]))
 
 
 if __name__ == "__main__":
