@@ -33,16 +33,16 @@ void check_float(const char* op, const char* name, const at::Tensor& t) {
 // Bytes holding numel codes of `bits` bits each.
 int64_t packed_size(int64_t numel, int bits) { return (numel * bits + 7) / 8; }
 
-void check_kind(const std::string& kind) {
-  TORCH_CHECK_VALUE(kind == "silu" || kind == "gelu" || kind == "gelu_tanh", "act_forward: unknown activation kind '",
-                    kind, "'; expected gelu, gelu_tanh or silu");
+void check_kind(const char* op, const std::string& kind) {
+  TORCH_CHECK_VALUE(kind == "silu" || kind == "gelu" || kind == "gelu_tanh", op, ": unknown activation kind '", kind,
+                    "'; expected gelu, gelu_tanh or silu");
 }
 
 // Forward is the stock ATen kernel (bit-exact by construction); the codes ride along.
 std::tuple<at::Tensor, at::Tensor> act_forward_op(const at::Tensor& x, const std::string& kind,
                                                   const std::vector<double>& thresholds) {
   check_float("act_forward", "x", x);
-  check_kind(kind);
+  check_kind("act_forward", kind);
   const int bits = storage_bits(static_cast<int64_t>(thresholds.size()));
   TORCH_CHECK_VALUE(bits > 0, "act_forward: expected 1 to 15 thresholds (1-4 bit codes), got ", thresholds.size());
   for (size_t t = 1; t < thresholds.size(); ++t) {
@@ -115,6 +115,32 @@ at::Tensor norm_backward_op(const at::Tensor& grad, const at::Tensor& z, const a
   return grad_input;
 }
 
+Activation activation_of(const std::string& kind) {
+  check_kind("gated_backward", kind);
+  return kind == "silu" ? Activation::kSilu : kind == "gelu" ? Activation::kGelu : Activation::kGeluTanh;
+}
+
+std::tuple<at::Tensor, at::Tensor> gated_backward_op(const at::Tensor& grad, const at::Tensor& gate,
+                                                     const at::Tensor& second, const std::string& kind,
+                                                     bool recover_up) {
+  check_float("gated_backward", "grad", grad);
+  check_float("gated_backward", "gate", gate);
+  check_float("gated_backward", "second", second);
+  const Activation activation = activation_of(kind);
+  TORCH_CHECK_VALUE(gate.sizes() == grad.sizes() && second.sizes() == grad.sizes(), "gated_backward: shapes differ: grad ",
+                    grad.sizes(), ", gate ", gate.sizes(), ", second ", second.sizes());
+  TORCH_CHECK_TYPE(gate.scalar_type() == grad.scalar_type() && second.scalar_type() == grad.scalar_type(),
+                   "gated_backward: dtypes differ: grad ", grad.scalar_type(), ", gate ", gate.scalar_type(), ", second ",
+                   second.scalar_type());
+  at::Tensor g = grad.contiguous();
+  at::Tensor grad_gate = at::empty_like(g, at::MemoryFormat::Contiguous);
+  at::Tensor grad_up = at::empty_like(g, at::MemoryFormat::Contiguous);
+  if (g.numel() > 0) {
+    gated_backward(g, gate.contiguous(), second.contiguous(), activation, recover_up, grad_gate, grad_up);
+  }
+  return {grad_gate, grad_up};
+}
+
 }  // namespace
 }  // namespace lowmem
 
@@ -128,4 +154,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("eps"), py::arg("center"), py::arg("out_dtype"));
   m.def("norm_backward", &lowmem::norm_backward_op, "norm input gradient from output and rstd", py::arg("grad"),
         py::arg("z"), py::arg("rstd"), py::arg("dim"), py::arg("center"), py::arg("dtype"));
+  m.def("gated_backward", &lowmem::gated_backward_op, "gradients of act(gate) * up", py::arg("grad"), py::arg("gate"),
+        py::arg("second"), py::arg("kind"), py::arg("recover_up"));
 }

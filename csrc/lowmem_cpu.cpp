@@ -276,6 +276,52 @@ void norm_backward_kernel(const U* grad, const U* z, const at::opmath_type<U>* r
   });
 }
 
+// Transcendentals and select for activation_and_slope / gated_grads: std:: for the scalar tail,
+// at::vec (Sleef) for the vector body.
+struct CpuMath {
+  template <typename T> static T exp(T x) { return std::exp(x); }
+  template <typename T> static T erf(T x) { return std::erf(x); }
+  template <typename T> static T tanh(T x) { return std::tanh(x); }
+  template <typename T> static T nonzero_or_zero(T cond, T value) { return cond != T(0) ? value : T(0); }
+  template <typename T> static Vectorized<T> exp(Vectorized<T> x) { return x.exp(); }
+  template <typename T> static Vectorized<T> erf(Vectorized<T> x) { return x.erf(); }
+  template <typename T> static Vectorized<T> tanh(Vectorized<T> x) { return x.tanh(); }
+  template <typename T> static Vectorized<T> nonzero_or_zero(Vectorized<T> cond, Vectorized<T> value) {
+    const Vectorized<T> zero(T(0));
+    return Vectorized<T>::blendv(zero, value, cond != zero);
+  }
+};
+
+// One pass over L1-sized blocks: stage grad, gate and the second input to fp32, both gradients out.
+template <Activation kKind, bool kRecoverUp, typename T>
+void gated_backward_kernel(const T* grad, const T* gate, const T* second, int64_t numel, T* grad_gate, T* grad_up) {
+  using acc_t = at::opmath_type<T>;
+  constexpr int64_t kBlock = 2048;
+  constexpr bool kSame = std::is_same_v<T, acc_t>;
+  at::parallel_for(0, numel, kBlock, [&](int64_t begin, int64_t end) {
+    alignas(64) std::array<acc_t, kBlock> grad_buf, gate_buf, second_buf, dg_buf, du_buf;
+    for (int64_t s = begin; s < end; s += kBlock) {
+      const int64_t n = std::min(kBlock, end - s);
+      const acc_t* dh = as_acc(grad + s, grad_buf.data(), n);
+      const acc_t* g = as_acc(gate + s, gate_buf.data(), n);
+      const acc_t* x = as_acc(second + s, second_buf.data(), n);
+      acc_t* dg = kSame ? reinterpret_cast<acc_t*>(grad_gate + s) : dg_buf.data();
+      acc_t* du = kSame ? reinterpret_cast<acc_t*>(grad_up + s) : du_buf.data();
+      row_for_each<acc_t>(n, [&](int64_t i, auto v) {
+        using V = decltype(v);
+        V grad_g, grad_u;
+        gated_grads<kKind, kRecoverUp, CpuMath>(load(dh, i, v), load(g, i, v), load(x, i, v), grad_g, grad_u);
+        store(dg, i, grad_g);
+        store(du, i, grad_u);
+      });
+      if constexpr (!kSame) {
+        at::vec::convert(dg, grad_gate + s, n);
+        at::vec::convert(du, grad_up + s, n);
+      }
+    }
+  });
+}
+
 }  // namespace
 
 void act_forward(const at::Tensor& x, const std::string& kind, const double* thresholds_in, int64_t count, at::Tensor& y,
@@ -320,6 +366,25 @@ void norm_backward(const at::Tensor& grad, const at::Tensor& z, const at::Tensor
       norm_backward_kernel(grad.const_data_ptr<out_t>(), z.const_data_ptr<out_t>(),
                            rstd.const_data_ptr<at::opmath_type<out_t>>(), rstd.numel(), dim, center,
                            grad_input.mutable_data_ptr<scalar_t>());
+    });
+  });
+}
+
+void gated_backward(const at::Tensor& grad, const at::Tensor& gate, const at::Tensor& second, Activation kind,
+                    bool recover_up, at::Tensor& grad_gate, at::Tensor& grad_up) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(), "gated_backward", [&] {
+    dispatch_activation(kind, [&](auto activation) {
+      constexpr Activation kKind = decltype(activation)::value;
+      const auto run = [&](auto recover) {
+        gated_backward_kernel<kKind, decltype(recover)::value>(
+            grad.const_data_ptr<scalar_t>(), gate.const_data_ptr<scalar_t>(), second.const_data_ptr<scalar_t>(),
+            grad.numel(), grad_gate.mutable_data_ptr<scalar_t>(), grad_up.mutable_data_ptr<scalar_t>());
+      };
+      if (recover_up) {
+        run(std::true_type());
+      } else {
+        run(std::false_type());
+      }
     });
   });
 }

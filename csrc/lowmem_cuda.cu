@@ -141,6 +141,32 @@ __global__ void norm_backward_kernel(const U* __restrict__ grad, const U* __rest
   }
 }
 
+// Transcendentals and select for activation_and_slope / gated_grads in device code.
+struct DeviceMath {
+  __device__ static float exp(float x) { return ::expf(x); }
+  __device__ static double exp(double x) { return ::exp(x); }
+  __device__ static float erf(float x) { return ::erff(x); }
+  __device__ static double erf(double x) { return ::erf(x); }
+  __device__ static float tanh(float x) { return ::tanhf(x); }
+  __device__ static double tanh(double x) { return ::tanh(x); }
+  template <typename T>
+  __device__ static T nonzero_or_zero(T cond, T value) { return cond != T(0) ? value : T(0); }
+};
+
+template <Activation kKind, bool kRecoverUp, typename T>
+__global__ void gated_backward_kernel(const T* __restrict__ grad, const T* __restrict__ gate,
+                                      const T* __restrict__ second, int64_t numel, T* __restrict__ grad_gate,
+                                      T* __restrict__ grad_up) {
+  using acc_t = at::opmath_type<T>;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < numel; i += int64_t(gridDim.x) * blockDim.x) {
+    acc_t dg, du;
+    gated_grads<kKind, kRecoverUp, DeviceMath>(static_cast<acc_t>(grad[i]), static_cast<acc_t>(gate[i]),
+                                               static_cast<acc_t>(second[i]), dg, du);
+    grad_gate[i] = static_cast<T>(dg);
+    grad_up[i] = static_cast<T>(du);
+  }
+}
+
 // The first `count` values, the rest padded with `pad` (+inf thresholds: never exceeded; the last level).
 template <typename acc_t>
 Table<acc_t> table_of(const double* values, int64_t count, int size, bool thresholds) {
@@ -220,6 +246,29 @@ void norm_backward(const at::Tensor& grad, const at::Tensor& z, const at::Tensor
           grad.const_data_ptr<out_t>(), z.const_data_ptr<out_t>(), rstd.const_data_ptr<at::opmath_type<out_t>>(),
           rows, dim, center, grad_input.mutable_data_ptr<scalar_t>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+  });
+}
+
+void gated_backward(const at::Tensor& grad, const at::Tensor& gate, const at::Tensor& second, Activation kind,
+                    bool recover_up, at::Tensor& grad_gate, at::Tensor& grad_up) {
+  const c10::cuda::CUDAGuard guard(grad.device());
+  const int64_t blocks = elementwise_blocks(grad.numel());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(), "gated_backward", [&] {
+    dispatch_activation(kind, [&](auto activation) {
+      constexpr Activation kKind = decltype(activation)::value;
+      const auto launch = [&](auto recover) {
+        gated_backward_kernel<kKind, decltype(recover)::value, scalar_t>
+            <<<blocks, kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+                grad.const_data_ptr<scalar_t>(), gate.const_data_ptr<scalar_t>(), second.const_data_ptr<scalar_t>(),
+                grad.numel(), grad_gate.mutable_data_ptr<scalar_t>(), grad_up.mutable_data_ptr<scalar_t>());
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      };
+      if (recover_up) {
+        launch(std::true_type());
+      } else {
+        launch(std::false_type());
+      }
     });
   });
 }

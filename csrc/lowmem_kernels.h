@@ -8,6 +8,8 @@
 
 #include <string>
 
+#include "lowmem_math.h"
+
 namespace lowmem {
 
 // The device type the linked kernels run on.
@@ -37,5 +39,10 @@ void norm_forward(const at::Tensor& x, int64_t dim, double eps, bool center, at:
 // Input gradient from the saved output z and rstd only.
 void norm_backward(const at::Tensor& grad, const at::Tensor& z, const at::Tensor& rstd, int64_t dim, bool center,
                    at::Tensor& grad_input);
+
+// Gradients of h = act(gate) * up (kind: silu, gelu or gelu_tanh) from grad = dL/dh; `second` is up,
+// or with recover_up the output h itself (up recovered as h / act(gate)). All tensors one dtype.
+void gated_backward(const at::Tensor& grad, const at::Tensor& gate, const at::Tensor& second, Activation kind,
+                    bool recover_up, at::Tensor& grad_gate, at::Tensor& grad_up);
 
 }  // namespace lowmem

@@ -107,4 +107,57 @@ LOWMEM_HD V norm_input_grad(V g, V z, V rstd, V mean_g, V mean_gz) {
   return rstd * ((g - mean_g) - z * mean_gz);
 }
 
+
+// Gated MLPs: h = act(g) * u. Activation and slope of the three supported kinds; M supplies the
+// transcendental functions for V (exp, erf, tanh) and a select, so the CPU (scalar and
+// Vectorized) and the GPU evaluate the same formulas.
+enum class Activation : int { kSilu = 0, kGelu = 1, kGeluTanh = 2 };
+
+// Host-side: call ``f`` with the activation as a compile-time constant.
+template <typename F>
+inline void dispatch_activation(Activation kind, F&& f) {
+  switch (kind) {
+    case Activation::kSilu: f(std::integral_constant<Activation, Activation::kSilu>()); break;
+    case Activation::kGelu: f(std::integral_constant<Activation, Activation::kGelu>()); break;
+    default: f(std::integral_constant<Activation, Activation::kGeluTanh>()); break;
+  }
+}
+
+constexpr double kInvSqrt2 = 0.70710678118654752440;
+constexpr double kInvSqrt2Pi = 0.39894228040143267794;
+constexpr double kSqrt2OverPi = 0.79788456080286535588;
+constexpr double kTanhCubic = 0.044715;
+
+// value = act(g), slope = act'(g).
+template <Activation kKind, typename M, typename V>
+LOWMEM_HD void activation_and_slope(V g, V& value, V& slope) {
+  const V one(1), half(0.5);
+  if constexpr (kKind == Activation::kSilu) {
+    const V s = one / (one + M::exp(V(0) - g));
+    value = g * s;
+    slope = s * (one + g * (one - s));
+  } else if constexpr (kKind == Activation::kGelu) {
+    const V cdf = half * (one + M::erf(g * V(kInvSqrt2)));
+    value = g * cdf;
+    slope = cdf + g * M::exp(V(-0.5) * g * g) * V(kInvSqrt2Pi);
+  } else {
+    const V t = M::tanh(V(kSqrt2OverPi) * (g + V(kTanhCubic) * g * g * g));
+    value = half * g * (one + t);
+    slope = half * (one + t) + half * g * (one - t * t) * V(kSqrt2OverPi) * (one + V(3 * kTanhCubic) * g * g);
+  }
+}
+
+// Gradients of h = act(g) * u: grad_up = dh * act(g), grad_gate = dh * u * act'(g). With kRecoverUp
+// the second input is h itself and u = h / act(g) (0 where act(g) == 0: there grad_up is exact
+// and grad_gate = dh * u * act'(g) is taken as 0, i.e. wrong only where g == 0 exactly and u != 0).
+template <Activation kKind, bool kRecoverUp, typename M, typename V>
+LOWMEM_HD void gated_grads(V grad, V gate, V second, V& grad_gate, V& grad_up) {
+  V value, slope;
+  activation_and_slope<kKind, M>(gate, value, slope);
+  V up = second;
+  if constexpr (kRecoverUp) up = M::nonzero_or_zero(value, second / value);
+  grad_up = grad * value;
+  grad_gate = grad * up * slope;
+}
+
 }  // namespace lowmem

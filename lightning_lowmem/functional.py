@@ -1,5 +1,5 @@
-"""Functional API: ``regelu2``, ``resilu2``, ``ms_layer_norm``, ``ms_rms_norm``."""
+"""Functional API: ``regelu2``, ``resilu2``, ``ms_layer_norm``, ``ms_rms_norm``, ``gated_activation``."""
 
-from lightning_lowmem.ops import ms_layer_norm, ms_rms_norm, regelu2, resilu2
+from lightning_lowmem.ops import gated_activation, ms_layer_norm, ms_rms_norm, regelu2, resilu2
 
-__all__ = ["ms_layer_norm", "ms_rms_norm", "regelu2", "resilu2"]
+__all__ = ["gated_activation", "ms_layer_norm", "ms_rms_norm", "regelu2", "resilu2"]

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_lowmem.memory import SavedTensorMeter
-from lightning_lowmem.nn import ReGELU2, ReSiLU2
+from lightning_lowmem.nn import GatedMLP, ReGELU2, ReSiLU2
 from lightning_lowmem.surgery import DeferredAffineNorm, LowMemLinear, apply_lowmem
 from lightning_lowmem.surgery import apply as apply_module
 
@@ -231,7 +231,10 @@ def test_llama_lora():
     assert report.status(base + "layers.0.input_layernorm") == "converted"
     assert report.status(base + "layers.0.post_attention_layernorm") == "converted"
     assert report.status(base + "norm") == "left alone"  # sliced before lm_head
-    assert isinstance(model.get_submodule(base + "layers.0.mlp.act_fn"), ReSiLU2)
+    assert isinstance(model.get_submodule(base + "layers.0.mlp"), GatedMLP)  # SiLU fused into the gated product
+    assert report.status(base + "layers.0.mlp") == "converted"
+    unfused = converted(stock, x, gated=False)[0]
+    assert isinstance(unfused.get_submodule(base + "layers.0.mlp.act_fn"), ReSiLU2)
     detail = next(e.detail for e in report.entries if e.name == base + "layers.0.input_layernorm")
     assert all(f"self_attn.{p}_proj" in detail for p in "qkv")
     assert_same_outputs(stock, model, x)

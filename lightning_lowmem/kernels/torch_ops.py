@@ -21,9 +21,15 @@ functions with the same contract, so the autograd functions in
   standard deviation. ``center`` selects LayerNorm (True) or RMSNorm (False).
 - ``norm_backward(grad, z, rstd, dim, center, dtype) -> grad_input``: the paper's
   algorithms 2-3 from the saved output and rstd only, returned in ``dtype``.
+- ``gated_backward(grad, gate, second, kind, recover_up) -> (grad_gate, grad_up)``: gradients
+  of ``h = act(gate) * up`` (all tensors one dtype and shape), computed in fp32 (fp64 for fp64)
+  with ``act`` and ``act'`` evaluated from ``gate``. ``second`` is ``up``, or with ``recover_up``
+  the output ``h`` itself, from which ``up = h / act(gate)`` (0 where ``act(gate) == 0``).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -96,6 +102,38 @@ def act_backward(grad: torch.Tensor, packed: torch.Tensor, levels: tuple[float, 
     table = torch.tensor(levels, dtype=acc, device=grad.device)
     derivative = table[unpack_codes(packed, grad.numel(), bits)].view(grad.shape)
     return (grad.to(acc) * derivative).to(grad.dtype)
+
+
+def activation_and_slope(g: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``act(g)`` and ``act'(g)`` by the formulas the compiled kernels use (csrc/lowmem_math.h)."""
+    if kind == "silu":
+        s = torch.sigmoid(g)
+        return g * s, s * (1 + g * (1 - s))
+    if kind == "gelu":
+        cdf = 0.5 * (1 + torch.erf(g * math.sqrt(0.5)))
+        return g * cdf, cdf + g * torch.exp(-0.5 * g * g) / math.sqrt(2 * math.pi)
+    if kind != "gelu_tanh":
+        raise ValueError(f"unknown activation kind {kind!r}; expected gelu, gelu_tanh or silu")
+    k, c = math.sqrt(2 / math.pi), 0.044715
+    t = torch.tanh(k * (g + c * g * g * g))
+    return 0.5 * g * (1 + t), 0.5 * (1 + t) + 0.5 * g * (1 - t * t) * k * (1 + 3 * c * g * g)
+
+
+def gated_backward(
+    grad: torch.Tensor, gate: torch.Tensor, second: torch.Tensor, kind: str, recover_up: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if not grad.shape == gate.shape == second.shape or not grad.dtype == gate.dtype == second.dtype:
+        raise ValueError(
+            f"gated_backward: grad, gate and second must share shape and dtype, got {tuple(grad.shape)} {grad.dtype}, "
+            f"{tuple(gate.shape)} {gate.dtype}, {tuple(second.shape)} {second.dtype}"
+        )
+    acc = accumulate_dtype(grad.dtype)
+    value, slope = activation_and_slope(gate.to(acc), kind)
+    up = second.to(acc)
+    if recover_up:
+        up = torch.where(value != 0, up / value, torch.zeros_like(up))
+    grad_acc = grad.to(acc)
+    return (grad_acc * up * slope).to(grad.dtype), (grad_acc * value).to(grad.dtype)
 
 
 def norm_forward(

@@ -1,6 +1,8 @@
 """``apply_lowmem``: verified, all-or-nothing model surgery, and the report of what it did.
 
-Activations (GELU erf/tanh, SiLU) become ReGELU2 / ReSiLU2 wherever they are modules. A
+Activations (GELU erf/tanh, SiLU) become ReGELU2 / ReSiLU2 wherever they are modules, except
+inside gated MLPs (LLaMA-family, timm SwiGLU / GluMlp), which become one fused, exact, low-memory
+``act(gate) * up`` (:mod:`lightning_lowmem.nn.gated`), verified against the stock MLP. A
 LayerNorm / RMSNorm becomes a memory-sharing norm only where a probe forward proves its
 output reaches nothing but linear layers (see :mod:`.dataflow`); its affine moves into those
 linears (:mod:`.modules`) without renaming any parameter, so checkpoints stay interchangeable
@@ -21,20 +23,23 @@ from torch import nn
 
 from lightning_lowmem.memory import SavedTensorMeter
 from lightning_lowmem.nn import ReGELU2, ReSiLU2
+from lightning_lowmem.nn.gated import GatedMLPBase
 from lightning_lowmem.surgery import dataflow
 from lightning_lowmem.surgery.detect import (
     NormSpec,
     NotConvertible,
     activation_kind,
+    gated_layout,
+    gated_mlp_kind,
     is_activation_candidate,
     is_norm_candidate,
     is_plain,
     norm_spec,
 )
-from lightning_lowmem.surgery.modules import DeferredAffineNorm, LowMemLinear
+from lightning_lowmem.surgery.modules import DeferredAffineNorm, LowMemLinear, fused_gated_mlp
 
 MIB = float(1 << 20)
-_CONVERTED_TYPES = (ReGELU2, ReSiLU2, DeferredAffineNorm, LowMemLinear)
+_CONVERTED_TYPES = (ReGELU2, ReSiLU2, DeferredAffineNorm, LowMemLinear, GatedMLPBase)
 _NEW_ACTIVATION = {
     "gelu": lambda bits: ReGELU2(bits=bits),
     "gelu_tanh": lambda bits: ReGELU2("tanh", bits=bits),
@@ -48,7 +53,7 @@ class Entry:
     """One candidate module: what it was, and what happened to it (``detail`` says why)."""
 
     name: str
-    kind: str  # "activation" | "norm" | "functional"
+    kind: str  # "activation" | "gated MLP" | "norm" | "functional"
     was: str
     status: str  # "converted" | "already converted" | "left alone"
     detail: str
@@ -95,7 +100,7 @@ class LowMemReport:
     def summary(self) -> str:
         counts = ", ".join(
             f"{len(self._with(status, kind))} {kind}s {status}"
-            for kind in ("activation", "norm")
+            for kind in ("activation", "gated MLP", "norm")
             for status in ("converted", "already converted", "left alone")
             if self._with(status, kind)
         )
@@ -193,6 +198,13 @@ def _norm_detail(name: str, spec: NormSpec, consumers: list[str]) -> str:
     return f"{kind}, affine applied by {', '.join(c.removeprefix(parent) for c in consumers)}"
 
 
+def _gated_detail(kind: str, new: GatedMLPBase) -> str:
+    """E.g. ``SwiGLU fused, saves gate (+ the output its down projection saves)``."""
+    name = {"silu": "SwiGLU", "gelu": "GeGLU", "gelu_tanh": "GeGLU (tanh)"}[kind]
+    saves = "gate (+ the product its down projection saves)" if new.resolved_mode() == "gate" else "gate and up"
+    return f"{name} fused, saves {saves}"
+
+
 def _casts_itself(module: nn.Module) -> bool:
     """A peft LoRA layer whose every ``lora_A`` is a :class:`LowMemLinear`, which casts its input
     itself: peft's own input cast would only add a copy (which ``lora_A`` then saves)."""
@@ -213,6 +225,7 @@ def apply_lowmem(
     exclude: str | Sequence[str] | None = None,
     *,
     linear: str | bool = "auto",
+    gated: str | bool = "auto",
     example_input: Any = None,
     verify: bool = True,
     measure: bool = True,
@@ -230,6 +243,10 @@ def apply_lowmem(
         exclude: fnmatch patterns of module names to leave alone.
         linear: ``"auto"`` lets every other ``nn.Linear`` recast its weight in backward, so no
             half-precision weight copy is saved under autocast; ``False`` keeps them.
+        gated: ``"auto"`` fuses ``act(gate) * up`` in every recognised gated MLP (exact; saves the
+            gate, plus the up projection only when the down projection does not save the
+            product anyway); ``False`` leaves them, and then ``activation`` converts their
+            activation like any other.
         example_input: an input as Lightning's ``example_input_array`` (tensor, tuple of
             positional args, or dict of keyword args); enables norm conversion, the check of
             the outputs and the memory measurement.
@@ -246,6 +263,7 @@ def apply_lowmem(
     if bits not in (1, 2, 3, 4):
         raise ValueError(f"apply_lowmem: bits must be 1, 2, 3 or 4, got {bits!r}")
     do_act, do_norm, do_linear = _mode(activation, "activation"), _mode(norm, "norm"), _mode(linear, "linear")
+    do_gated = _mode(gated, "gated")
     include, exclude = _patterns(include), _patterns(exclude)
     named = dict(model.named_modules())
     for pattern in include + exclude:
@@ -261,12 +279,24 @@ def apply_lowmem(
     entries: dict[str, Entry] = {}
     activations: dict[str, str] = {}
     norms: dict[str, NormSpec] = {}
+    gated_mlps: dict[str, tuple[str, str]] = {}  # name -> (layout, activation kind)
+    inside_gated: set[str] = set()  # their activation modules, converted with them
     for name, module in named.items():
         was = type(module).__name__
         if isinstance(module, _CONVERTED_TYPES):
             if not isinstance(module, LowMemLinear):
-                kind = "activation" if isinstance(module, (ReGELU2, ReSiLU2)) else "norm"
-                entries[name] = Entry(name, kind, was, "already converted", "")
+                kind = {ReGELU2: "activation", ReSiLU2: "activation", DeferredAffineNorm: "norm"}.get(type(module))
+                entries[name] = Entry(name, kind or "gated MLP", was, "already converted", "")
+            continue
+        layout = gated_layout(module) if do_gated and selected(name) else None
+        if layout is not None:
+            try:
+                kind = gated_mlp_kind(module, layout[0], layout[1], fused_gated_mlp)
+                gated_mlps[name] = (layout[0], kind)
+                inside_gated.add(f"{name}.{layout[1]}")
+            except NotConvertible as err:
+                entries[name] = Entry(name, "gated MLP", was, "left alone", str(err))
+        if name in inside_gated:
             continue
         if do_act and is_activation_candidate(module) and selected(name):
             try:
@@ -338,6 +368,10 @@ def apply_lowmem(
             if type(module) is nn.Linear and (name in consumers_of or recast):
                 surgery.replace(module, LowMemLinear.from_linear(module, norm=consumers_of.get(name)))
                 report.linears += 1
+        for name, (layout, kind) in gated_mlps.items():
+            new = fused_gated_mlp(named[name], layout, kind)  # the children as they are now (recast)
+            surgery.replace(named[name], new)
+            entries[name] = Entry(name, "gated MLP", type(named[name]).__name__, "converted", _gated_detail(kind, new))
         for module in model.modules():
             if _casts_itself(module):
                 surgery.set(module, "cast_input_dtype_enabled", False)

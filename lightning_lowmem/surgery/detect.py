@@ -1,4 +1,4 @@
-"""Recognise GELU / SiLU activations and LayerNorm / RMSNorm layers across torch, timm and HF.
+"""Recognise GELU / SiLU activations, gated MLPs and LayerNorm / RMSNorm layers across torch, timm and HF.
 
 Class names only nominate candidates; each candidate is then *verified* by running it on a
 test input and comparing with the reference function (for norms with randomised affine
@@ -73,6 +73,55 @@ def activation_kind(module: nn.Module) -> str:
         if torch.allclose(y.double(), reference(x), rtol=0, atol=1e-9):
             return kind
     raise NotConvertible("computes neither GELU (erf/tanh) nor SiLU (e.g. QuickGELU)")
+
+
+# Child names of the gated MLP layouts: Hugging Face LLaMA-family MLPs, timm SwiGLU and GluMlp.
+_GATED_LAYOUTS = {
+    "hf": ({"gate_proj", "up_proj", "down_proj", "act_fn"}, "act_fn"),
+    "timm": ({"fc1_g", "fc1_x", "act", "drop1", "norm", "fc2", "drop2"}, "act"),
+    "timm packed": ({"fc1", "act", "drop1", "norm", "fc2", "drop2"}, "act"),
+}
+
+
+def gated_layout(module: nn.Module) -> tuple[str, str] | None:
+    """``(layout, activation child name)`` when ``module`` looks like a gated MLP, else ``None``."""
+    children = set(module._modules)
+    for layout, (names, act) in _GATED_LAYOUTS.items():
+        if names == children or (layout == "hf" and names <= children):
+            return ("timm" if layout.startswith("timm") else layout), act
+    return None
+
+
+def gated_mlp_kind(module: nn.Module, layout: str, act_name: str, replacement) -> str:
+    """The activation of a verified gated MLP, or :class:`NotConvertible`.
+
+    ``replacement(module, layout, kind)`` builds the fused module; it must compute what the
+    stock module computes on a random input (eval mode, so dropout cannot differ).
+    """
+    if not is_plain(module):
+        raise NotConvertible("has hooks or a patched forward (a replacement would drop them)")
+    kind = activation_kind(module._modules[act_name])
+    if layout == "hf" and set(module._modules) != _GATED_LAYOUTS["hf"][0]:
+        raise NotConvertible(f"extra submodules {sorted(set(module._modules) - _GATED_LAYOUTS['hf'][0])}")
+    first = module.gate_proj if layout == "hf" else module._modules.get("fc1_g", module._modules.get("fc1"))
+    parameter = next(first.parameters(), None)
+    if parameter is None or not isinstance(getattr(first, "in_features", None), int):
+        raise NotConvertible("its first projection is not a linear layer")
+    new = replacement(module, layout, kind)
+    x = torch.randn(2, 3, first.in_features, dtype=parameter.dtype, device=parameter.device)
+    flags = [(m, m.training) for m in module.modules()]
+    try:
+        module.eval()
+        with torch.no_grad():
+            same = torch.allclose(new(x), module(x), rtol=1e-4, atol=1e-5)
+    except Exception as err:  # noqa: BLE001 - any failure means: not the stock layout's computation
+        raise NotConvertible(f"probe call failed ({type(err).__name__})") from None
+    finally:
+        for m, training in flags:
+            m.training = training
+    if not same:
+        raise NotConvertible("computes something else than act(gate) * up followed by the down projection")
+    return kind
 
 
 def _eps(module: nn.Module) -> float | None:

@@ -1,4 +1,5 @@
-"""The modules model surgery puts in: a norm whose affine moved to its consumer linears.
+"""The modules model surgery puts in: a norm whose affine moved to its consumer linears, and
+gated MLPs with the fused low-memory product.
 
 A memory-sharing norm must return its affine-free output ``z`` (that is the tensor it saves),
 so the affine ``gamma * z + beta`` has to happen inside the consumers. :class:`DeferredAffineNorm`
@@ -16,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_lowmem.nn.gated import GatedMLP, GatedMLPBase
 from lightning_lowmem.ops.norm import ms_layer_norm, ms_rms_norm
 
 
@@ -53,8 +55,10 @@ class AffineLinearFunction(torch.autograd.Function):
             x = _affine(z, gamma, beta, dtype)
             out = F.linear(x, weight.to(dtype), None if bias is None else bias.to(dtype))
         shared = z if gamma is not None or beta is not None else x
-        ctx.save_for_backward(shared, weight, gamma, beta)
-        ctx.dtype, ctx.has_bias = dtype, bias is not None
+        _, needs_w, _, needs_gamma, _, _ = ctx.needs_input_grad
+        # only the weight and gamma gradients read the input: a frozen linear saves none, as stock
+        ctx.save_for_backward(shared if needs_w or needs_gamma else None, weight, gamma, beta)
+        ctx.dtype, ctx.z_dtype, ctx.has_bias = dtype, z.dtype, bias is not None
         return out
 
     @staticmethod
@@ -79,7 +83,7 @@ class AffineLinearFunction(torch.autograd.Function):
                 grad_beta = grad_x.reshape(-1, *beta.shape).to(beta.dtype).sum(0)
             if needs_z:
                 grad_z = grad_x if gamma is None else grad_x.to(gamma.dtype) * gamma
-                grad_z = grad_z.to(z.dtype)
+                grad_z = grad_z.to(ctx.z_dtype)
         return grad_z, grad_w, grad_b, grad_gamma, grad_beta, None
 
 
@@ -151,3 +155,37 @@ class DeferredAffineNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.kind}, {self.normalized_shape}, eps={self.eps}, from={self.source}, affine applied by consumers"
+
+
+class TimmGluMlp(GatedMLPBase):
+    """timm's ``SwiGLU`` (``fc1_g``, ``fc1_x``) or ``GluMlp`` (one ``fc1`` whose halves are gate and
+    up) with the fused product; children keep their names, so state_dict keys do not change."""
+
+    def __init__(self, stock: nn.Module, activation: str, mode: str = "auto") -> None:
+        super().__init__(activation, mode)
+        self.packed = "fc1" in stock._modules
+        self.gate_last = bool(getattr(stock, "gate_last", False))
+        for name in ("fc1",) if self.packed else ("fc1_g", "fc1_x"):
+            self.add_module(name, stock._modules[name])
+        for name in ("drop1", "norm", "fc2", "drop2"):
+            self.add_module(name, stock._modules[name])
+
+    def gate_and_up(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.packed:
+            return self.fc1_g(x), self.fc1_x(x)
+        first, second = self.fc1(x).chunk(2, dim=-1)
+        return (second, first) if self.gate_last else (first, second)
+
+    def output(self, h: torch.Tensor) -> torch.Tensor:
+        return self.drop2(self.fc2(self.norm(self.drop1(h))))
+
+    def consumer(self) -> nn.Module | None:
+        passes_through = isinstance(self.drop1, nn.Identity) or getattr(self.drop1, "p", None) == 0
+        return self.fc2 if passes_through and isinstance(self.norm, nn.Identity) else None
+
+
+def fused_gated_mlp(stock: nn.Module, layout: str, activation: str) -> GatedMLPBase:
+    """The fused replacement of a stock gated MLP of ``layout`` (``"hf"`` or ``"timm"``), sharing its children."""
+    if layout == "hf":
+        return GatedMLP.from_projections(stock.gate_proj, stock.up_proj, stock.down_proj, activation)
+    return TimmGluMlp(stock, activation)

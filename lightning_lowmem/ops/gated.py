@@ -1,0 +1,68 @@
+"""The product ``h = act(gate) * up`` of gated MLPs (SwiGLU, GeGLU) as one low-memory op.
+
+Stock autograd saves ``gate`` for the activation and ``act(gate)`` and ``up`` for the product:
+three activations per intermediate element, four with the ``h`` a trainable down projection
+saves. This op saves two, or effectively one:
+
+- ``mode="gate_up"`` saves ``gate`` and ``up`` and recomputes ``act`` and ``act'`` in backward
+  (what Liger Kernel's fused SwiGLU saves). Exact.
+- ``mode="gate"`` saves ``gate`` and its own output ``h``, and recovers ``up = h / act(gate)`` in
+  backward. When the down projection saves ``h`` anyway (trainable, or LoRA on it), that is the
+  same storage, so ``gate`` is the only extra activation. Exact up to the rounding of ``h`` to its
+  dtype; where ``act(gate) == 0`` exactly, ``up`` is unknown and taken as 0, which changes the
+  gradient only where ``gate == 0`` exactly while ``up != 0`` (``act'(0) = 0.5``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lightning_lowmem import kernels
+from lightning_lowmem.ops._checks import check_float_tensor, needs_graph, refuse_double_backward
+
+ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
+MODES = ("gate_up", "gate")
+
+
+class GatedActivationFunction(torch.autograd.Function):
+    """Stock forward (``act`` then ``*``); backward from (gate, up) or (gate, output)."""
+
+    @staticmethod
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor, kind: str, recover_up: bool) -> torch.Tensor:
+        h = kernels.torch_ops.stock_activation(gate, kind) * up
+        ctx.save_for_backward(gate, h if recover_up else up)
+        ctx.kind, ctx.recover_up = kind, recover_up
+        return h
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        refuse_double_backward("gated_activation")
+        gate, second = ctx.saved_tensors
+        grad_gate, grad_up = kernels.implementation(grad.device).gated_backward(
+            grad.to(gate.dtype).contiguous(), gate, second, ctx.kind, ctx.recover_up
+        )
+        needs_gate, needs_up, _, _ = ctx.needs_input_grad
+        return grad_gate if needs_gate else None, grad_up if needs_up else None, None, None
+
+
+def gated_activation(gate: torch.Tensor, up: torch.Tensor, activation: str = "silu", mode: str = "gate_up") -> torch.Tensor:
+    """``act(gate) * up`` (``activation``: ``"silu"``, ``"gelu"`` or ``"gelu_tanh"``), saving less.
+
+    ``mode="gate_up"`` saves ``gate`` and ``up``; ``mode="gate"`` saves ``gate`` and the output,
+    which costs one activation less when the next layer saves the output too (see the module
+    docstring). The forward is bit-identical to ``act(gate) * up``; ``gate`` and ``up`` must have
+    the same shape (no broadcasting); different dtypes are promoted as ``*`` would.
+    """
+    check_float_tensor("gated_activation", gate)
+    check_float_tensor("gated_activation", up)
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"gated_activation: activation must be one of {ACTIVATIONS}, got {activation!r}")
+    if mode not in MODES:
+        raise ValueError(f"gated_activation: mode must be one of {MODES}, got {mode!r}")
+    if gate.shape != up.shape:
+        raise ValueError(f"gated_activation: gate {tuple(gate.shape)} and up {tuple(up.shape)} must have the same shape")
+    dtype = torch.promote_types(gate.dtype, up.dtype)
+    gate, up = gate.to(dtype), up.to(dtype)
+    if not (needs_graph(gate) or needs_graph(up)):
+        return kernels.torch_ops.stock_activation(gate, activation) * up
+    return GatedActivationFunction.apply(gate.contiguous(), up.contiguous(), activation, mode == "gate")
