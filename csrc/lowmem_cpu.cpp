@@ -292,25 +292,42 @@ struct CpuMath {
   }
 };
 
-// One pass over L1-sized blocks: stage grad, gate and the second input to fp32, both gradients out.
+// One pass over L1-sized blocks: stage grad, gate and the second input to fp32; act(gate) and its
+// slope, act rounded to T as the forward's product saw it; both gradients out.
 template <Activation kKind, bool kRecoverUp, typename T>
 void gated_backward_kernel(const T* grad, const T* gate, const T* second, int64_t numel, T* grad_gate, T* grad_up) {
   using acc_t = at::opmath_type<T>;
   constexpr int64_t kBlock = 2048;
   constexpr bool kSame = std::is_same_v<T, acc_t>;
   at::parallel_for(0, numel, kBlock, [&](int64_t begin, int64_t end) {
-    alignas(64) std::array<acc_t, kBlock> grad_buf, gate_buf, second_buf, dg_buf, du_buf;
+    alignas(64) std::array<acc_t, kBlock> grad_buf, gate_buf, second_buf, value_buf, slope_buf;
+    alignas(64) std::array<T, kSame ? 1 : kBlock> rounded;
     for (int64_t s = begin; s < end; s += kBlock) {
       const int64_t n = std::min(kBlock, end - s);
-      const acc_t* dh = as_acc(grad + s, grad_buf.data(), n);
       const acc_t* g = as_acc(gate + s, gate_buf.data(), n);
+      acc_t* value = value_buf.data();
+      acc_t* slope = slope_buf.data();
+      row_for_each<acc_t>(n, [&](int64_t i, auto v) {
+        using V = decltype(v);
+        V a, d;
+        activation_and_slope<kKind, CpuMath>(load(g, i, v), a, d);
+        store(value, i, a);
+        store(slope, i, d);
+      });
+      if constexpr (!kSame) {
+        at::vec::convert(value, rounded.data(), n);
+        at::vec::convert(rounded.data(), value, n);
+      }
+      const acc_t* dh = as_acc(grad + s, grad_buf.data(), n);
       const acc_t* x = as_acc(second + s, second_buf.data(), n);
-      acc_t* dg = kSame ? reinterpret_cast<acc_t*>(grad_gate + s) : dg_buf.data();
-      acc_t* du = kSame ? reinterpret_cast<acc_t*>(grad_up + s) : du_buf.data();
+      // the staged gate is no longer needed: its buffer takes grad_gate, the slope's grad_up
+      acc_t* dg = kSame ? reinterpret_cast<acc_t*>(grad_gate + s) : gate_buf.data();
+      acc_t* du = kSame ? reinterpret_cast<acc_t*>(grad_up + s) : slope_buf.data();
       row_for_each<acc_t>(n, [&](int64_t i, auto v) {
         using V = decltype(v);
         V grad_g, grad_u;
-        gated_grads<kKind, kRecoverUp, CpuMath>(load(dh, i, v), load(g, i, v), load(x, i, v), grad_g, grad_u);
+        gated_grads<kRecoverUp, CpuMath>(load(dh, i, v), load(value, i, v), load(slope, i, v), load(x, i, v), grad_g,
+                                         grad_u);
         store(dg, i, grad_g);
         store(du, i, grad_u);
       });

@@ -159,9 +159,10 @@ __global__ void gated_backward_kernel(const T* __restrict__ grad, const T* __res
                                       T* __restrict__ grad_up) {
   using acc_t = at::opmath_type<T>;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < numel; i += int64_t(gridDim.x) * blockDim.x) {
-    acc_t dg, du;
-    gated_grads<kKind, kRecoverUp, DeviceMath>(static_cast<acc_t>(grad[i]), static_cast<acc_t>(gate[i]),
-                                               static_cast<acc_t>(second[i]), dg, du);
+    acc_t value, slope, dg, du;
+    activation_and_slope<kKind, DeviceMath>(static_cast<acc_t>(gate[i]), value, slope);
+    value = static_cast<acc_t>(static_cast<T>(value));  // as the forward's product saw it
+    gated_grads<kRecoverUp, DeviceMath>(static_cast<acc_t>(grad[i]), value, slope, static_cast<acc_t>(second[i]), dg, du);
     grad_gate[i] = static_cast<T>(dg);
     grad_up[i] = static_cast<T>(du);
   }

@@ -23,7 +23,8 @@ functions with the same contract, so the autograd functions in
   algorithms 2-3 from the saved output and rstd only, returned in ``dtype``.
 - ``gated_backward(grad, gate, second, kind, recover_up) -> (grad_gate, grad_up)``: gradients
   of ``h = act(gate) * up`` (all tensors one dtype and shape), computed in fp32 (fp64 for fp64)
-  with ``act`` and ``act'`` evaluated from ``gate``. ``second`` is ``up``, or with ``recover_up``
+  with ``act`` (rounded to the dtype, as the forward used it) and ``act'`` evaluated from ``gate``.
+  ``second`` is ``up``, or with ``recover_up``
   the output ``h`` itself, from which ``up = h / act(gate)`` (0 where ``act(gate) == 0``).
 """
 
@@ -129,6 +130,7 @@ def gated_backward(
         )
     acc = accumulate_dtype(grad.dtype)
     value, slope = activation_and_slope(gate.to(acc), kind)
+    value = value.to(grad.dtype).to(acc)  # as the forward's product saw it
     up = second.to(acc)
     if recover_up:
         up = torch.where(value != 0, up / value, torch.zeros_like(up))

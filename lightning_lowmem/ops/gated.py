@@ -29,8 +29,9 @@ class GatedActivationFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, gate: torch.Tensor, up: torch.Tensor, kind: str, recover_up: bool) -> torch.Tensor:
-        h = kernels.torch_ops.stock_activation(gate, kind) * up
-        ctx.save_for_backward(gate, h if recover_up else up)
+        h = kernels.torch_ops.stock_activation(gate, kind) * up  # on the inputs as given: stock bits
+        # contiguous copies of strided halves (timm's packed fc1), not views that keep both alive
+        ctx.save_for_backward(gate.contiguous(), h if recover_up else up.contiguous())
         ctx.kind, ctx.recover_up = kind, recover_up
         return h
 
@@ -65,4 +66,4 @@ def gated_activation(gate: torch.Tensor, up: torch.Tensor, activation: str = "si
     gate, up = gate.to(dtype), up.to(dtype)
     if not (needs_graph(gate) or needs_graph(up)):
         return kernels.torch_ops.stock_activation(gate, activation) * up
-    return GatedActivationFunction.apply(gate.contiguous(), up.contiguous(), activation, mode == "gate")
+    return GatedActivationFunction.apply(gate, up, activation, mode == "gate")

@@ -316,7 +316,9 @@ def apply_lowmem(
     else:
         try:
             activation_modules = {
-                m for m in named.values() if is_activation_candidate(m) or isinstance(m, (ReGELU2, ReSiLU2))
+                m
+                for m in named.values()
+                if is_activation_candidate(m) or isinstance(m, (ReGELU2, ReSiLU2, GatedMLPBase))
             }
             flow = dataflow.trace(model, example_input, {n: named[n] for n in norms}, activation_modules)
         except Exception as err:  # noqa: BLE001 - a model that cannot run the example: convert no norm, measure nothing

@@ -1,0 +1,345 @@
+"""Gated MLPs: the fused ``act(gate) * up`` op, its kernels, the module, surgery, and the bytes it saves."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_lowmem import apply_lowmem
+from lightning_lowmem.functional import gated_activation
+from lightning_lowmem.kernels import build, torch_ops
+from lightning_lowmem.memory import SavedTensorMeter
+from lightning_lowmem.nn import GatedMLP
+from lightning_lowmem.surgery.modules import TimmGluMlp
+
+KINDS = {
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
+MODES = ("gate_up", "gate")
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
+SHAPES = [(0, 4), (1,), (3, 5), (2, 7, 33), (4097,)]
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")]),
+]
+
+
+def stock_grads(kind, gate, up, grad, dtype=None):
+    """Gradients of the unfused stock computation (in ``dtype``, default the inputs')."""
+    g = gate.detach().to(dtype or gate.dtype).requires_grad_()
+    u = up.detach().to(dtype or up.dtype).requires_grad_()
+    (KINDS[kind](g) * u).backward(grad.to(g.dtype))
+    return g.grad, u.grad
+
+
+def fused_grads(kind, mode, gate, up, grad):
+    g, u = gate.detach().clone().requires_grad_(), up.detach().clone().requires_grad_()
+    gated_activation(g, u, kind, mode).backward(grad)
+    return g.grad, u.grad
+
+
+def inputs(shape, dtype, device="cpu"):
+    gate = (torch.randn(shape, dtype=torch.float64) * 3).to(dtype=dtype, device=device)
+    up = torch.randn(shape, dtype=torch.float64).to(dtype=dtype, device=device)
+    grad = torch.randn(shape, dtype=torch.float64).to(dtype=dtype, device=device)
+    return gate, up, grad
+
+
+# -- the op -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_forward_is_bitwise_stock(kind, mode, dtype):
+    for shape in SHAPES:
+        gate, up, _ = inputs(shape, dtype)
+        out = gated_activation(gate.requires_grad_(), up, kind, mode)
+        assert out.dtype == dtype and torch.equal(out, KINDS[kind](gate) * up)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("mode", MODES)
+def test_gradcheck_fp64(kind, mode):
+    gate = (torch.randn(3, 17, dtype=torch.float64) * 3).requires_grad_()
+    up = torch.randn(3, 17, dtype=torch.float64).requires_grad_()
+    assert torch.autograd.gradcheck(lambda g, u: gated_activation(g, u, kind, mode), (gate, up))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_gradients_as_close_to_exact_as_stock(kind, mode, dtype):
+    """Against fp64 truth, the fused op errs no more than the stock unfused op in ``dtype`` does."""
+    gate, up, grad = inputs((8, 1000), dtype)
+    truth = stock_grads(kind, gate, up, grad, torch.float64)
+    stock = stock_grads(kind, gate, up, grad)
+    fused = fused_grads(kind, mode, gate, up, grad)
+    for t, s, f in zip(truth, stock, fused):
+        assert f.dtype == dtype
+        stock_error = (s.double() - t).abs().max().item()
+        fused_error = (f.double() - t).abs().max().item()
+        assert fused_error <= 2 * stock_error + 1e-6, (fused_error, stock_error)
+        assert F.cosine_similarity(f.double().flatten(), t.flatten(), dim=0) > 0.9999
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_saves_gate_and_up_or_gate_and_output(mode, recorder):
+    gate = torch.randn(4, 64, requires_grad=True)
+    up = torch.randn(4, 64, requires_grad=True)
+    with recorder() as saved:
+        out = gated_activation(gate, up, "silu", mode)
+    second = out if mode == "gate" else up
+    assert [t.untyped_storage().data_ptr() for t in saved.saved] == [
+        gate.untyped_storage().data_ptr(),
+        second.untyped_storage().data_ptr(),
+    ]
+
+
+def test_gate_mode_shares_the_output_with_a_trainable_consumer(recorder):
+    gate, up = torch.randn(4, 64, requires_grad=True), torch.randn(4, 64, requires_grad=True)
+    down = nn.Linear(64, 8)
+    with recorder() as saved:
+        down(gated_activation(gate, up, "silu", "gate"))
+    activations = saved.storages() - {down.weight.untyped_storage().data_ptr()}
+    assert len(activations) == 2  # gate, and the product both the op and the linear saved
+    with SavedTensorMeter() as meter:
+        down(gated_activation(gate, up, "silu", "gate"))
+    assert meter.total_bytes == 2 * 4 * 64 * 4
+
+
+def test_where_the_activation_is_zero_the_answer_is_defined():
+    """``gate == 0`` (act = 0, act' = 0.5) with ``up != 0``: gate mode cannot see ``up`` and takes 0."""
+    gate = torch.tensor([0.0, 0.0, -200.0, 1.0], requires_grad=True)
+    up = torch.tensor([2.0, 0.0, 3.0, 0.0], requires_grad=True)
+    gated_activation(gate, up, "silu", "gate").backward(torch.ones(4))
+    exact_gate, exact_up = stock_grads("silu", gate, up, torch.ones(4))
+    assert torch.isfinite(gate.grad).all() and torch.isfinite(up.grad).all()
+    assert torch.equal(up.grad, exact_up)
+    assert gate.grad[0] == 0 and exact_gate[0] == 1.0  # the documented deviation
+    assert torch.equal(gate.grad[1:], exact_gate[1:])
+
+
+def test_mixed_dtypes_promote_and_no_grad_saves_nothing(recorder):
+    gate = torch.randn(3, 5, dtype=torch.bfloat16, requires_grad=True)
+    up = torch.randn(3, 5, requires_grad=True)
+    out = gated_activation(gate, up)
+    assert out.dtype == torch.float32 and torch.equal(out, F.silu(gate.float()) * up)
+    out.sum().backward()
+    assert gate.grad.dtype == torch.bfloat16 and up.grad.dtype == torch.float32
+    with recorder() as saved, torch.no_grad():
+        gated_activation(gate, up)
+    assert saved.saved == []
+
+
+def test_non_contiguous_inputs():
+    packed = torch.randn(6, 40, requires_grad=True)
+    gate, up = packed.chunk(2, dim=-1)
+    gated_activation(gate, up, "gelu", "gate").sum().backward()
+    expected = packed.detach().clone().requires_grad_()
+    g, u = expected.chunk(2, dim=-1)
+    (F.gelu(g) * u).sum().backward()
+    torch.testing.assert_close(packed.grad, expected.grad)
+
+
+def test_bad_input_raises():
+    x = torch.randn(3, 4, requires_grad=True)
+    with pytest.raises(ValueError, match="same shape"):
+        gated_activation(x, torch.randn(4))
+    with pytest.raises(ValueError, match="activation must be"):
+        gated_activation(x, x, "relu")
+    with pytest.raises(ValueError, match="mode must be"):
+        gated_activation(x, x, mode="exact")
+    with pytest.raises(TypeError, match="unsupported dtype"):
+        gated_activation(torch.ones(3, 4, dtype=torch.int64), x)
+    out = gated_activation(x, torch.randn(3, 4, requires_grad=True))
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad(out.sum(), x, create_graph=True)
+
+
+# -- compiled kernels -------------------------------------------------------------------------
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("recover_up", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_compiled_backward_matches_reference(device, kind, recover_up, dtype):
+    ext = build.load("cpu" if device == "cpu" else "cuda")
+    assert not isinstance(ext, build.BuildError), ext
+    tolerance = {"atol": 2e-2, "rtol": 2e-2} if dtype in (torch.float16, torch.bfloat16) else {"atol": 1e-5, "rtol": 1e-5}
+    for n in (0, 1, 7, 2047, 2049, 3 * 2048 + 5, 100_003):
+        gate, up, grad = inputs((n,), dtype, device)
+        second = torch_ops.stock_activation(gate, kind) * up if recover_up else up
+        got = ext.gated_backward(grad, gate, second, kind, recover_up)
+        expected = torch_ops.gated_backward(grad.cpu(), gate.cpu(), second.cpu(), kind, recover_up)
+        for g, e in zip(got, expected):
+            assert g.dtype == dtype and g.device.type == device
+            torch.testing.assert_close(g.cpu(), e, **tolerance)
+
+
+def test_compiled_backward_rejects_bad_arguments():
+    ext = build.load("cpu")
+    x = torch.randn(8)
+    with pytest.raises(ValueError, match="unknown activation kind"):
+        ext.gated_backward(x, x, x, "relu", False)
+    with pytest.raises(ValueError, match="shapes differ"):
+        ext.gated_backward(x, torch.randn(9), x, "silu", False)
+    with pytest.raises(TypeError, match="dtypes differ"):
+        ext.gated_backward(x, x.double(), x, "silu", False)
+    with pytest.raises(ValueError, match="share shape and dtype"):
+        torch_ops.gated_backward(x, x.double(), x, "silu", False)
+
+
+# -- the module and its automatic mode ---------------------------------------------------------
+def lora(model: nn.Module, targets: list[str], dropout: float = 0.0) -> nn.Module:
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules=targets))
+
+
+class Wrapper(nn.Module):
+    def __init__(self, mlp: nn.Module) -> None:
+        super().__init__()
+        self.mlp = mlp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(x)
+
+
+def test_auto_mode_follows_the_down_projection():
+    mlp = GatedMLP(16, 40)
+    assert mlp.resolved_mode() == "gate"  # down_proj trains and saves the product
+    mlp.down_proj.weight.requires_grad_(False)
+    assert mlp.resolved_mode() == "gate_up"
+    with_lora = lora(Wrapper(GatedMLP(16, 40)), ["gate_proj", "up_proj", "down_proj"]).base_model.model.mlp
+    assert with_lora.resolved_mode() == "gate"
+    for name, p in with_lora.named_parameters():
+        if "down_proj.lora_A" in name:
+            p.requires_grad_(False)  # LoRA-FA: lora_A frozen, so nothing saves the product
+    assert with_lora.resolved_mode() == "gate_up"
+    dropped = lora(Wrapper(GatedMLP(16, 40)), ["down_proj"], dropout=0.1).base_model.model.mlp
+    assert dropped.resolved_mode() == "gate_up"  # lora_A reads a dropped-out copy
+
+
+def test_module_matches_the_stock_llama_mlp_and_loads_its_checkpoint():
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    stock = LlamaMLP(LlamaConfig(hidden_size=16, intermediate_size=40, num_attention_heads=4))
+    fused = GatedMLP(16, 40)
+    fused.load_state_dict(stock.state_dict())
+    assert fused.state_dict().keys() == stock.state_dict().keys()
+    x = torch.randn(2, 5, 16)
+    torch.testing.assert_close(fused(x), stock(x), rtol=0, atol=0)
+    fused(x).square().sum().backward()
+    stock(x).square().sum().backward()
+    for (name, a), b in zip(fused.named_parameters(), stock.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, msg=name)
+
+
+def llama_mlp_with_lora(hidden: int, intermediate: int) -> nn.Module:
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    mlp = LlamaMLP(LlamaConfig(hidden_size=hidden, intermediate_size=intermediate, num_attention_heads=4))
+    return lora(Wrapper(mlp), ["gate_proj", "up_proj", "down_proj"])
+
+
+def bytes_per_token(model: nn.Module, hidden: int, x_dtype: torch.dtype) -> float:
+    """Marginal saved bytes per token: the slope between two sequence lengths (constants drop out)."""
+    totals = []
+    for tokens in (16, 48):
+        x = torch.randn(1, tokens, hidden, dtype=x_dtype, requires_grad=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16), SavedTensorMeter(model) as meter:
+            model(x)
+        totals.append(meter.total_bytes)
+    return (totals[1] - totals[0]) / 32
+
+
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+def test_llama_mlp_with_lora_saves_the_formula(x_dtype):
+    """bf16 autocast, LoRA r=4 on gate, up and down: per token the gate (2I) and the product (2I,
+    shared with down's lora_A), one bf16 copy of x (2d, shared by the gate and up adapters) and
+    the three rank-r adapter activations (3 * 2r); 4.7 bytes per intermediate element at the
+    7B ratio I/d = 2.69, against about 8.8 stock."""
+    hidden, intermediate, rank = 32, 86, 4
+    stock = llama_mlp_with_lora(hidden, intermediate)
+    model = copy.deepcopy(stock)
+    report = apply_lowmem(model, norm=False)
+    assert report.status("base_model.model.mlp") == "converted"
+    assert bytes_per_token(model, hidden, x_dtype) == 4 * intermediate + 2 * hidden + 3 * 2 * rank
+    assert bytes_per_token(stock, hidden, x_dtype) >= 8 * intermediate
+
+
+# -- surgery on timm's gated MLPs -------------------------------------------------------------
+def timm_mlp(layer_name: str) -> nn.Module:
+    from timm.layers import GluMlp, LayerNorm, SwiGLU, SwiGLUPacked
+
+    return {
+        "SwiGLU": lambda: SwiGLU(32, 64),
+        "SwiGLUPacked": lambda: SwiGLUPacked(32, 128),
+        "GluMlp-gelu": lambda: GluMlp(32, 128, act_layer=nn.GELU),  # gate in the second half
+        "SwiGLU-norm": lambda: SwiGLU(32, 64, norm_layer=LayerNorm),  # EVA-02 style: a norm reads the product
+        "GluMlp": lambda: GluMlp(32, 128),  # timm's default GLU gate: a sigmoid
+    }[layer_name]()
+
+
+def grads_of(model: nn.Module, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    model.train()
+    model(x).square().sum().backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("layer_name", ["SwiGLU", "SwiGLUPacked", "GluMlp-gelu", "SwiGLU-norm"])
+def test_timm_gated_mlps_convert_exactly(layer_name):
+    stock, x = Wrapper(timm_mlp(layer_name)), torch.randn(2, 5, 32)
+    model = copy.deepcopy(stock)
+    report = apply_lowmem(model, activation=False, norm=False, linear=False, example_input=x)
+    assert isinstance(model.mlp, TimmGluMlp) and report.status("mlp") == "converted"
+    assert model.mlp.resolved_mode() == ("gate_up" if layer_name == "SwiGLU-norm" else "gate")
+    assert model.state_dict().keys() == stock.state_dict().keys()
+    stock.eval(), model.eval()
+    torch.testing.assert_close(model(x), stock(x), rtol=0, atol=0)
+    expected, got = grads_of(stock, x), grads_of(model, x)
+    assert expected.keys() == got.keys()
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_timm_vit_with_geglu_converts_fully():
+    import timm
+    from timm.layers import SwiGLU
+
+    stock = timm.create_model(
+        "vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8, depth=2, embed_dim=32, num_heads=2,
+        mlp_layer=SwiGLU, num_classes=5,
+    )  # fmt: skip  (the ViT block passes its GELU: a GeGLU)
+    x = torch.randn(2, 3, 32, 32)
+    model = copy.deepcopy(stock)
+    report = apply_lowmem(model, example_input=x)
+    assert all(report.status(f"blocks.{i}.mlp") == "converted" for i in range(2))
+    assert "GeGLU" in next(e.detail for e in report.entries if e.name == "blocks.0.mlp")
+    assert report.reduction > 0.3
+    assert apply_lowmem(model, example_input=x).status("blocks.0.mlp") == "already converted"
+    stock.eval(), model.eval()
+    torch.testing.assert_close(model(x), stock(x), rtol=1e-4, atol=1e-5)
+
+
+def test_unsupported_gated_mlps_are_left_alone_with_a_reason():
+    stock = Wrapper(timm_mlp("GluMlp"))
+    model = copy.deepcopy(stock)
+    report = apply_lowmem(model, example_input=torch.randn(2, 5, 32))
+    assert report.status("mlp") == "left alone"
+    assert "neither GELU" in next(e.detail for e in report.entries if e.name == "mlp")
+    assert type(model.mlp) is type(stock.mlp)
+
+
+def test_gated_false_leaves_the_mlp_and_converts_its_activation():
+    model = Wrapper(timm_mlp("SwiGLU"))
+    report = apply_lowmem(model, gated=False, example_input=torch.randn(2, 5, 32))
+    assert report.status("mlp.act") == "converted"
+    assert not any(isinstance(m, TimmGluMlp) for m in model.modules())
