@@ -14,6 +14,7 @@ SMOKE = {
     "kernels.py": ["--quick", "--repeats", "1"],
     "paper_tables.py": ["--smoke"],
     "parity.py": ["--smoke"],
+    "gated_mlp.py": ["--smoke"],
 }
 
 
