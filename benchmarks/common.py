@@ -59,7 +59,9 @@ def write_section(key: str, body: str, command: str) -> None:
         f"<!-- {key}:begin -->\n{body.strip()}\n\n"
         f"Machine: {machine()}. Date: {time.strftime('%Y-%m-%d')}. Command: `{command}`\n<!-- {key}:end -->"
     )
-    text = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n\nWritten by the scripts in `benchmarks/`.\n"
-    pattern = re.compile(rf"<!-- {re.escape(key)}:begin -->.*?<!-- {re.escape(key)}:end -->", re.S)
+    text = (
+        RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n\nWritten by the scripts in `benchmarks/`.\n"
+    )
+    pattern = re.compile(rf"<!-- {re.escape(key)}:begin -->.*?<!-- {re.escape(key)}:end -->", re.DOTALL)
     text = pattern.sub(lambda _: stamped, text) if pattern.search(text) else text.rstrip() + "\n\n" + stamped + "\n"
     RESULTS.write_text(text)

@@ -26,10 +26,10 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import interleaved_median, markdown_table, write_section  # noqa: E402
-from lightning_lowmem import apply_lowmem, kernels  # noqa: E402
-from lightning_lowmem.memory import SavedTensorMeter  # noqa: E402
-from lightning_lowmem.nn.gated import GatedMLPBase  # noqa: E402
+from benchmarks.common import interleaved_median, markdown_table, write_section
+from lightning_lowmem import apply_lowmem, kernels
+from lightning_lowmem.memory import SavedTensorMeter
+from lightning_lowmem.nn.gated import GatedMLPBase
 
 RANK = 8
 VARIANTS = ("stock", "ReSiLU2 only", "fused, saves gate and up", "fused, auto (lightning-lowmem)")
@@ -155,7 +155,9 @@ def main() -> None:
         fns = {mode or "stock": product_only("silu", mode, elementwise, dtype) for mode in (None, "gate_up", "gate")}
         times = interleaved_median(fns, repeats=repeats * 3, warmup=2)
         for mode in ("gate_up", "gate"):
-            label = f"silu(gate) * up alone, {'x'.join(map(str, elementwise))} {str(dtype).removeprefix('torch.')}, {mode}"
+            label = (
+                f"silu(gate) * up alone, {'x'.join(map(str, elementwise))} {str(dtype).removeprefix('torch.')}, {mode}"
+            )
             time_rows.append([label, f"{times[mode] / times['stock']:.2f}"])
             print(" | ".join(time_rows[-1]), flush=True)
 

@@ -25,16 +25,19 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import interleaved_median, markdown_table, write_section  # noqa: E402
-from benchmarks.surgery import LLAMA_LORA, lora, saved_bytes, step_fn  # noqa: E402
-from lightning_lowmem import apply_lowmem, kernels  # noqa: E402
+from benchmarks.common import interleaved_median, markdown_table, write_section
+from benchmarks.surgery import LLAMA_LORA, lora, saved_bytes, step_fn
+from lightning_lowmem import apply_lowmem, kernels
 
 MIB = float(1 << 20)
-# (approximate activation?, memory-sharing norm?, recast linears?) -> apply_lowmem options.
-# The first is the stock model; the last is lightning-lowmem's default, beyond the paper.
+# (approximate activation?, memory-sharing norm?, lightning-lowmem extras?) -> apply_lowmem options.
+# The first is the stock model; the last is lightning-lowmem's default, beyond the paper: linears
+# recast their weights in backward, and gated MLPs (LLaMA) fuse act(gate) * up exactly.
 VARIANTS = [(False, False, False), (True, False, False), (False, True, False), (True, True, False), (True, True, True)]
 # Stock and converted names of the activation and the norm, per model family.
 NAMES = {"vit": ("GELU", "ReGELU2", "LN", "MS-LN"), "llama": ("SiLU", "ReSiLU2", "RMSNorm", "MS-RMSNorm")}
+# The last variant's activation label (None: as the approximate one) and norm suffix, per family.
+EXTRAS = {"vit": (None, " + recast linears"), "llama": ("SwiGLU fused (exact)", " + recast linears")}
 # The paper's peak-memory change for each (table, setting, variant); None where it reports none.
 PAPER = {
     ("LoRA q/v", "ReGELU2", "LN"): "-19%", ("LoRA q/v", "GELU", "MS-LN"): "-10%",
@@ -63,7 +66,7 @@ def freeze_lora_a(model: nn.Module) -> nn.Module:
 def vit_base(setting: str, smoke: bool) -> nn.Module:
     import timm
 
-    kwargs = dict(img_size=32, patch_size=8, depth=2, embed_dim=64, num_heads=2) if smoke else {}
+    kwargs = {"img_size": 32, "patch_size": 8, "depth": 2, "embed_dim": 64, "num_heads": 2} if smoke else {}
     model = timm.create_model("vit_base_patch16_224", pretrained=False, **kwargs)
     targets, frozen_a = VIT_SETTINGS[setting]
     if targets is None:
@@ -75,8 +78,10 @@ def vit_base(setting: str, smoke: bool) -> nn.Module:
 def llama_layer(smoke: bool) -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    shape = dict(hidden_size=64, intermediate_size=172, num_attention_heads=4) if smoke else dict(
-        hidden_size=4096, intermediate_size=11008, num_attention_heads=32
+    shape = (
+        {"hidden_size": 64, "intermediate_size": 172, "num_attention_heads": 4}
+        if smoke
+        else {"hidden_size": 4096, "intermediate_size": 11008, "num_attention_heads": 32}
     )
     config = LlamaConfig(vocab_size=256, num_hidden_layers=1, max_position_embeddings=2048, **shape)
     return lora(LlamaForCausalLM(config), LLAMA_LORA)
@@ -98,14 +103,20 @@ def measure(setting: str, build, batch: torch.Tensor, family: str, repeats: int)
     for act, norm, recast in VARIANTS:
         model = copy.deepcopy(stock)
         if act or norm or recast:
-            apply_lowmem(model, activation=act, norm=norm, linear=recast, example_input=batch, measure=False)
+            apply_lowmem(
+                model, activation=act, norm=norm, linear=recast, gated=recast, example_input=batch, measure=False
+            )
         models[(act, norm, recast)] = model
     memory = {key: [saved_bytes(model, batch, autocast) for autocast in (False, True)] for key, model in models.items()}
-    times = interleaved_median({key: step_fn(model, batch, False) for key, model in models.items()}, repeats=repeats, warmup=1)
+    times = interleaved_median(
+        {key: step_fn(model, batch, False) for key, model in models.items()}, repeats=repeats, warmup=1
+    )
     stock_key, (act_names, norm_names) = VARIANTS[0], (NAMES[family][:2], NAMES[family][2:])
     rows = []
     for key in models:
-        act, norm = act_names[key[0]], norm_names[key[1]] + (" + recast linears" if key[2] else "")
+        act, norm = act_names[key[0]], norm_names[key[1]]
+        if key[2]:
+            act, norm = EXTRAS[family][0] or act, norm + EXTRAS[family][1]
         (fp32, bf16), (base32, base16) = memory[key], memory[stock_key]
         rows.append([
             setting, act, norm, f"{fp32 / MIB:.1f} ({100 * (fp32 / base32 - 1):+.0f}%)",
@@ -133,8 +144,15 @@ def main() -> None:
         vit_rows += measure(setting, lambda s=setting: vit_base(s, args.smoke), image, "vit", repeats)
     llama_rows = measure("LLaMA LoRA all linear", lambda: llama_layer(args.smoke), tokens, "llama", repeats)
 
-    header = ["setting", "activation", "norm", "fp32 MiB (change)", "bf16 MiB (change)", "step time ratio",
-              "paper (peak memory)"]
+    header = [
+        "setting",
+        "activation",
+        "norm",
+        "fp32 MiB (change)",
+        "bf16 MiB (change)",
+        "step time ratio",
+        "paper (peak memory)",
+    ]
     tables = markdown_table(header, vit_rows) + "\n\n" + markdown_table(header, llama_rows)
     print(tables)
     if not args.smoke:

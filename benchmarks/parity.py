@@ -29,8 +29,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from benchmarks.common import markdown_table, write_section  # noqa: E402
-from lightning_lowmem import apply_lowmem  # noqa: E402
+from benchmarks.common import markdown_table, write_section
+from lightning_lowmem import apply_lowmem
 
 PACKAGES = ("asyncio", "email", "http", "importlib", "logging", "multiprocessing", "unittest", "xml")
 
@@ -163,9 +163,15 @@ def main() -> None:
         runs = [train_and_evaluate(lowmem, seed, data, args) for seed in range(args.seeds)]
         accuracy[name] = [acc for acc, _ in runs]
         spread = statistics.stdev(accuracy[name]) if len(runs) > 1 else 0.0
-        rows.append([name, f"{100 * statistics.mean(accuracy[name]):.2f}", f"{100 * spread:.2f}",
-                     " ".join(f"{100 * a:.1f}" for a in accuracy[name]),
-                     f"{statistics.mean(t for _, t in runs):.1f}"])
+        rows.append(
+            [
+                name,
+                f"{100 * statistics.mean(accuracy[name]):.2f}",
+                f"{100 * spread:.2f}",
+                " ".join(f"{100 * a:.1f}" for a in accuracy[name]),
+                f"{statistics.mean(t for _, t in runs):.1f}",
+            ]
+        )
         print(f"{name}: accuracy {rows[-1][1]} +- {rows[-1][2]} %")
     cosines = gradient_cosines(data)
     accuracy_table = markdown_table(["variant", "test acc % (mean)", "std", "per seed", "train s/run"], rows)

@@ -16,9 +16,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import markdown_table, write_section  # noqa: E402
-from lightning_lowmem.functional import ms_layer_norm, ms_rms_norm, regelu2, resilu2  # noqa: E402
-from lightning_lowmem.memory import SavedTensorMeter  # noqa: E402
+from benchmarks.common import markdown_table, write_section
+from lightning_lowmem.functional import ms_layer_norm, ms_rms_norm, regelu2, resilu2
+from lightning_lowmem.memory import SavedTensorMeter
 
 OPS = {
     "regelu2 vs F.gelu": (regelu2, F.gelu),
@@ -65,11 +65,17 @@ def main() -> None:
             x = torch.randn(shape, dtype=dtype, requires_grad=True)
             for name, (ours, stock) in OPS.items():
                 ours_bytes, stock_bytes = saved_bytes(ours, x), saved_bytes(stock, x)
-                rows.append([
-                    name, "x".join(map(str, shape)), str(dtype).removeprefix("torch."),
-                    f"{ours_bytes / x.numel():.4f}", f"{stock_bytes / x.numel():.4f}",
-                    f"{ours_bytes:,}", f"{stock_bytes:,}",
-                ])
+                rows.append(
+                    [
+                        name,
+                        "x".join(map(str, shape)),
+                        str(dtype).removeprefix("torch."),
+                        f"{ours_bytes / x.numel():.4f}",
+                        f"{stock_bytes / x.numel():.4f}",
+                        f"{ours_bytes:,}",
+                        f"{stock_bytes:,}",
+                    ]
+                )
     header = ["op", "shape", "dtype", "ours B/elem", "stock B/elem", "ours bytes", "stock bytes"]
     table = markdown_table(header, rows)
     print(table)

@@ -81,9 +81,9 @@ def run(lowmem: bool, args: argparse.Namespace) -> dict[str, float]:
 
 def table(baseline: dict[str, float], lowmem: dict[str, float]) -> str:
     lines = [f"{'':<16}{'baseline':>12}{'lowmem':>12}{'change':>10}"]
-    for key in baseline:
-        change = lowmem[key] / baseline[key] - 1 if baseline[key] else float("nan")
-        lines.append(f"{key:<16}{baseline[key]:>12.3f}{lowmem[key]:>12.3f}{100 * change:>+9.1f}%")
+    for key, before in baseline.items():
+        change = lowmem[key] / before - 1 if before else float("nan")
+        lines.append(f"{key:<16}{before:>12.3f}{lowmem[key]:>12.3f}{100 * change:>+9.1f}%")
     return "\n".join(lines)
 
 

@@ -94,8 +94,11 @@ class LlamaLoRA(pl.LightningModule):
             model = LlamaForCausalLM.from_pretrained(checkpoint)
         else:
             config = LlamaConfig(
-                vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
-                num_hidden_layers=num_hidden_layers, num_attention_heads=num_attention_heads,
+                vocab_size=vocab_size,
+                hidden_size=hidden_size,
+                intermediate_size=intermediate_size,
+                num_hidden_layers=num_hidden_layers,
+                num_attention_heads=num_attention_heads,
                 max_position_embeddings=max(seq_len, 128),
             )
             model = LlamaForCausalLM(config)

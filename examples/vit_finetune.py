@@ -57,10 +57,14 @@ class DigitsDataModule(pl.LightningDataModule):
         from torchvision import datasets, transforms
 
         size = self.hparams.img_size
-        transform = transforms.Compose([
-            transforms.Resize(size), transforms.CenterCrop(size), transforms.ToTensor(),
-            transforms.Normalize([0.5] * 3, [0.5] * 3),
-        ])
+        transform = transforms.Compose(
+            [
+                transforms.Resize(size),
+                transforms.CenterCrop(size),
+                transforms.ToTensor(),
+                transforms.Normalize([0.5] * 3, [0.5] * 3),
+            ]
+        )
         return datasets.ImageFolder(self.hparams.image_folder, transform=transform)
 
     def train_dataloader(self) -> DataLoader:
@@ -76,8 +80,9 @@ def apply_tuning(model: torch.nn.Module, tuning: Tuning, rank: int, head: str) -
         return model
     from peft import LoraConfig, get_peft_model
 
-    config = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=LORA_TARGETS[tuning],
-                        modules_to_save=[head])
+    config = LoraConfig(
+        r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=LORA_TARGETS[tuning], modules_to_save=[head]
+    )
     model = get_peft_model(model, config)
     if tuning == "lora_fa":
         for name, parameter in model.named_parameters():
@@ -103,7 +108,11 @@ class ViTFineTuner(pl.LightningModule):
         super().__init__()
         self.save_hyperparameters()
         model = timm.create_model(
-            model_name, pretrained=False, img_size=img_size, patch_size=patch_size, num_classes=num_classes,
+            model_name,
+            pretrained=False,
+            img_size=img_size,
+            patch_size=patch_size,
+            num_classes=num_classes,
             checkpoint_path=checkpoint or "",
         )
         self.model = apply_tuning(model, tuning, lora_rank, head="head")
@@ -126,8 +135,9 @@ class ViTFineTuner(pl.LightningModule):
         images, labels = batch
         logits = self(images)
         self.val_accuracy(logits, labels)
-        self.log_dict({"val/loss": F.cross_entropy(logits.float(), labels), "val/acc": self.val_accuracy},
-                      prog_bar=True)
+        self.log_dict(
+            {"val/loss": F.cross_entropy(logits.float(), labels), "val/acc": self.val_accuracy}, prog_bar=True
+        )
 
     def configure_optimizers(self):
         trainable = [p for p in self.parameters() if p.requires_grad]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from typing_extensions import Self
 
 
 @pytest.fixture(autouse=True)
@@ -22,7 +23,7 @@ class SavedRecorder:
         self.saved.append(t)
         return t
 
-    def __enter__(self) -> SavedRecorder:
+    def __enter__(self) -> Self:
         self._hooks.__enter__()
         return self
 

@@ -15,6 +15,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_lowmem.lightning import LowMemBP
+from lightning_lowmem.nn import GatedMLP
 from lightning_lowmem.surgery import DeferredAffineNorm, LowMemLinear
 
 REPO = Path(__file__).resolve().parents[1]
@@ -183,6 +184,7 @@ def test_real_architectures_fit_checkpoint_resume(tmp_path, arch):
     t.fit(model, data)
     report = t.callbacks[0].report
     assert sum(isinstance(m, DeferredAffineNorm) for m in model.modules()) == 4
+    assert any(isinstance(m, GatedMLP) for m in model.modules()) == (arch == "llama")
     assert report.saved_bytes_after < 0.8 * report.saved_bytes_before
     ckpt = tmp_path / "arch.ckpt"
     t.save_checkpoint(ckpt)

@@ -169,7 +169,9 @@ def test_bad_input_raises():
 def test_compiled_backward_matches_reference(device, kind, recover_up, dtype):
     ext = build.load("cpu" if device == "cpu" else "cuda")
     assert not isinstance(ext, build.BuildError), ext
-    tolerance = {"atol": 2e-2, "rtol": 2e-2} if dtype in (torch.float16, torch.bfloat16) else {"atol": 1e-5, "rtol": 1e-5}
+    tolerance = (
+        {"atol": 2e-2, "rtol": 2e-2} if dtype in (torch.float16, torch.bfloat16) else {"atol": 1e-5, "rtol": 1e-5}
+    )
     for n in (0, 1, 7, 2047, 2049, 3 * 2048 + 5, 100_003):
         gate, up, grad = inputs((n,), dtype, device)
         second = torch_ops.stock_activation(gate, kind) * up if recover_up else up
@@ -315,8 +317,15 @@ def test_timm_vit_with_geglu_converts_fully():
     from timm.layers import SwiGLU
 
     stock = timm.create_model(
-        "vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8, depth=2, embed_dim=32, num_heads=2,
-        mlp_layer=SwiGLU, num_classes=5,
+        "vit_tiny_patch16_224",
+        pretrained=False,
+        img_size=32,
+        patch_size=8,
+        depth=2,
+        embed_dim=32,
+        num_heads=2,
+        mlp_layer=SwiGLU,
+        num_classes=5,
     )  # fmt: skip  (the ViT block passes its GELU: a GeGLU)
     x = torch.randn(2, 3, 32, 32)
     model = copy.deepcopy(stock)

@@ -18,7 +18,10 @@ def test_activation_from_module_computes_the_stock_forward(stock):
 
 @pytest.mark.parametrize(
     "stock, cls",
-    [(nn.LayerNorm(12, eps=1e-6, elementwise_affine=False), MSLayerNorm), (nn.RMSNorm(12, eps=1e-6, elementwise_affine=False), MSRMSNorm)],
+    [
+        (nn.LayerNorm(12, eps=1e-6, elementwise_affine=False), MSLayerNorm),
+        (nn.RMSNorm(12, eps=1e-6, elementwise_affine=False), MSRMSNorm),
+    ],
 )
 def test_norm_from_module_computes_the_stock_forward(stock, cls):
     ours = cls.from_module(stock)

@@ -16,7 +16,7 @@ NORMS = {
     "rms": (ms_rms_norm, lambda x, shape, eps: F.rms_norm(x, shape, eps=eps)),
 }
 CASES = [((3, 8), (8,)), ((2, 5, 16), (16,)), ((2, 3, 4, 6), (4, 6)), ((7, 33), (33,)), ((1, 1), (1,))]
-TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
+TOLERANCE = {torch.float32: {"rtol": 1e-5, "atol": 1e-5}, torch.bfloat16: {"rtol": 2e-2, "atol": 2e-2}}
 
 
 @pytest.mark.parametrize("kind", NORMS)

@@ -22,10 +22,10 @@ from lightning_lowmem.surgery import LowMemReport, apply_lowmem
 class LowMemBP(Callback):
     """Convert the LightningModule for low-memory backpropagation before training starts.
 
-    GELU/SiLU modules become ReGELU2/ReSiLU2; LayerNorm/RMSNorm layers whose output reaches only
-    linear layers become memory-sharing norms (decided by a probe forward on
-    ``LightningModule.example_input_array``; without it no norm is converted); linear layers
-    recast their weights in backward. Parameter names do not change, so checkpoints load into
+    GELU/SiLU modules become ReGELU2/ReSiLU2, gated MLPs one fused exact product that saves less,
+    LayerNorm/RMSNorm layers whose output reaches only linear layers memory-sharing norms
+    (decided by a probe forward on ``LightningModule.example_input_array``; without it no norm
+    is converted); linear layers recast their weights in backward. Parameter names do not change, so checkpoints load into
     the stock model and back. The report is printed once at fit start on rank 0 and kept in
     :attr:`report`. The arguments are those of :func:`~lightning_lowmem.surgery.apply_lowmem`.
     """
@@ -37,13 +37,14 @@ class LowMemBP(Callback):
         include: str | Sequence[str] | None = None,
         exclude: str | Sequence[str] | None = None,
         linear: str | bool = "auto",
+        gated: str | bool = "auto",
         verify: bool = True,
         measure: bool = True,
         bits: int = 2,
     ) -> None:
         self.options = {
             "activation": activation, "norm": norm, "include": include, "exclude": exclude,
-            "linear": linear, "verify": verify, "measure": measure, "bits": bits,
+            "linear": linear, "gated": gated, "verify": verify, "measure": measure, "bits": bits,
         }  # fmt: skip
         self.report: LowMemReport | None = None
         self._printed = False

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from typing_extensions import Self
 
 MIB = float(1 << 20)
 
@@ -31,7 +32,7 @@ class SavedStorage:
 class _Held:
     """What the graph holds instead of the tensor; releases the meter's count when freed."""
 
-    __slots__ = ("tensor", "key", "meter")
+    __slots__ = ("key", "meter", "tensor")
 
     def __init__(self, tensor: torch.Tensor, key: tuple, meter: SavedTensorMeter) -> None:
         self.tensor, self.key, self.meter = tensor, key, meter
@@ -75,7 +76,7 @@ class SavedTensorMeter:
         self._graph_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
     # -- context ---------------------------------------------------------------------------
-    def __enter__(self) -> SavedTensorMeter:
+    def __enter__(self) -> Self:
         if self.model is not None:
             tensors = [*self.model.parameters(), *self.model.buffers()]
             self._excluded = {_storage_key(t) for t in tensors}
@@ -104,11 +105,7 @@ class SavedTensorMeter:
 
     # -- autograd hooks --------------------------------------------------------------------
     def _is_parameter(self, t: torch.Tensor) -> bool:
-        return (
-            isinstance(t, nn.Parameter)
-            or isinstance(t._base, nn.Parameter)
-            or _storage_key(t) in self._excluded
-        )
+        return isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter) or _storage_key(t) in self._excluded
 
     def _pack(self, t: torch.Tensor):
         if self._is_parameter(t):
@@ -152,5 +149,7 @@ class SavedTensorMeter:
         for name, nbytes in rows:
             share = 100.0 * nbytes / self.total_bytes if self.total_bytes else 0.0
             lines.append(f"{name:<{width}}  {nbytes / MIB:>10.3f}  {share:>5.1f}%")
-        lines.append(f"{'total':<{width}}  {self.total_bytes / MIB:>10.3f}  (peak held {self.peak_bytes / MIB:.3f} MiB)")
+        lines.append(
+            f"{'total':<{width}}  {self.total_bytes / MIB:>10.3f}  (peak held {self.peak_bytes / MIB:.3f} MiB)"
+        )
         return "\n".join(lines)

@@ -15,10 +15,10 @@ def _check_bits(name: str, bits: int) -> int:
     return bits
 
 
-
 def _backward_repr(bits: int) -> str:
     stored = storage_bits(bits)
     return f"backward={bits}-bit" + ("" if stored == bits else f" (stored in {stored} bits)")
+
 
 class ReGELU2(nn.Module):
     """GELU with a ``bits``-bit approximate backward (default 2: saves 0.25 byte per element).

@@ -95,7 +95,12 @@ class GatedMLP(GatedMLPBase):
 
     @classmethod
     def from_projections(
-        cls, gate_proj: nn.Module, up_proj: nn.Module, down_proj: nn.Module, activation: str = "silu", mode: str = "auto"
+        cls,
+        gate_proj: nn.Module,
+        up_proj: nn.Module,
+        down_proj: nn.Module,
+        activation: str = "silu",
+        mode: str = "auto",
     ) -> GatedMLP:
         """Wrap existing projection modules (plain, LoRA-adapted, ...) as they are."""
         new = cls.__new__(cls)

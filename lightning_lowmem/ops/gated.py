@@ -46,7 +46,9 @@ class GatedActivationFunction(torch.autograd.Function):
         return grad_gate if needs_gate else None, grad_up if needs_up else None, None, None
 
 
-def gated_activation(gate: torch.Tensor, up: torch.Tensor, activation: str = "silu", mode: str = "gate_up") -> torch.Tensor:
+def gated_activation(
+    gate: torch.Tensor, up: torch.Tensor, activation: str = "silu", mode: str = "gate_up"
+) -> torch.Tensor:
     """``act(gate) * up`` (``activation``: ``"silu"``, ``"gelu"`` or ``"gelu_tanh"``), saving less.
 
     ``mode="gate_up"`` saves ``gate`` and ``up``; ``mode="gate"`` saves ``gate`` and the output,
@@ -61,7 +63,9 @@ def gated_activation(gate: torch.Tensor, up: torch.Tensor, activation: str = "si
     if mode not in MODES:
         raise ValueError(f"gated_activation: mode must be one of {MODES}, got {mode!r}")
     if gate.shape != up.shape:
-        raise ValueError(f"gated_activation: gate {tuple(gate.shape)} and up {tuple(up.shape)} must have the same shape")
+        raise ValueError(
+            f"gated_activation: gate {tuple(gate.shape)} and up {tuple(up.shape)} must have the same shape"
+        )
     dtype = torch.promote_types(gate.dtype, up.dtype)
     gate, up = gate.to(dtype), up.to(dtype)
     if not (needs_graph(gate) or needs_graph(up)):

@@ -33,9 +33,7 @@ class MemorySharingNorm(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         refuse_double_backward(ctx.name)
         z, rstd = ctx.saved_tensors
-        grad_input = kernels.implementation(grad.device).norm_backward(
-            grad, z, rstd, ctx.dim, ctx.center, ctx.in_dtype
-        )
+        grad_input = kernels.implementation(grad.device).norm_backward(grad, z, rstd, ctx.dim, ctx.center, ctx.in_dtype)
         return grad_input, None, None, None, None, None
 
 
@@ -49,7 +47,7 @@ def output_dtype(x: torch.Tensor) -> torch.dtype:
 
 def _normalized_size(name: str, x: torch.Tensor, normalized_shape: int | Sequence[int]) -> int:
     shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
-    if not shape or tuple(x.shape[-len(shape):]) != shape or x.dim() < len(shape):
+    if not shape or tuple(x.shape[-len(shape) :]) != shape or x.dim() < len(shape):
         raise ValueError(
             f"{name}: normalized_shape {list(shape)} must match the trailing dimensions of the input, "
             f"got input of shape {list(x.shape)}"
