@@ -352,3 +352,47 @@ def test_gated_false_leaves_the_mlp_and_converts_its_activation():
     report = apply_lowmem(model, gated=False, example_input=torch.randn(2, 5, 32))
     assert report.status("mlp.act") == "converted"
     assert not any(isinstance(m, TimmGluMlp) for m in model.modules())
+
+
+@pytest.mark.parametrize(
+    ("family", "config_name", "activation"),
+    [("mistral", "MistralConfig", "silu"), ("qwen2", "Qwen2Config", "silu"), ("gemma", "GemmaConfig", "gelu_tanh")],
+)
+def test_hugging_face_llama_family_mlps_convert(family, config_name, activation):
+    import importlib
+
+    import transformers
+
+    modeling = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    mlp_class = next(getattr(modeling, n) for n in dir(modeling) if n.lower() == f"{family}mlp")
+    config = getattr(transformers, config_name)(
+        hidden_size=32, intermediate_size=80, num_attention_heads=4, num_key_value_heads=4, head_dim=8,
+        hidden_act="gelu_pytorch_tanh" if activation == "gelu_tanh" else "silu",
+    )  # fmt: skip
+    stock, x = Wrapper(mlp_class(config)), torch.randn(2, 5, 32)
+    model = copy.deepcopy(stock)
+    report = apply_lowmem(model, example_input=x)
+    assert report.status("mlp") == "converted" and model.mlp.activation == activation
+    model.eval(), stock.eval()
+    torch.testing.assert_close(model(x), stock(x), rtol=0, atol=0)
+
+
+def test_packed_glu_saves_a_copy_of_the_gate_not_both_halves():
+    """fp32 full fine-tuning of timm's SwiGLUPacked, per token: stock saves x (4d), fc1's whole
+    output behind the gate and up views (8I), act(gate) (4I) and the product fc2 reads (4I);
+    fused: x, a contiguous copy of the gate (4I) and the shared product (4I)."""
+    hidden, intermediate = 32, 64
+    stock = Wrapper(timm_mlp("SwiGLUPacked"))
+    model = copy.deepcopy(stock)
+    apply_lowmem(model, linear=False)
+
+    def per_token(m: nn.Module) -> float:
+        totals = []
+        for tokens in (8, 24):
+            with SavedTensorMeter(m) as meter:
+                m(torch.randn(1, tokens, hidden, requires_grad=True))
+            totals.append(meter.total_bytes)
+        return (totals[1] - totals[0]) / 16
+
+    assert per_token(stock) == 4 * hidden + 16 * intermediate
+    assert per_token(model) == 4 * hidden + 8 * intermediate
