@@ -2,7 +2,7 @@
 
 timm vit_small_patch16_224 (batch 4) in three fine-tuning settings (full, peft LoRA r=4 on
 qkv, LoRA on qkv/proj/fc1/fc2) under bf16 autocast and fp32, and a small LlamaForCausalLM
-with LoRA on every linear layer. Memory is one forward+backward measured with
+with LoRA on every linear layer. Memory is the bytes one forward saves for backward, measured with
 SavedTensorMeter (parameters excluded); time is a whole training step (forward, backward,
 AdamW step), interleaved with the stock model in the same process.
 
@@ -135,9 +135,10 @@ def main() -> None:
         print(rows[-1], flush=True)
         body = (  # written after every row: a long CPU run keeps what it measured
             "## Model surgery (`apply_lowmem`)\n\n"
-            "Saved-for-backward bytes of one forward+backward (SavedTensorMeter, parameters excluded), "
+            "Saved-for-backward bytes of one training forward (SavedTensorMeter, parameters excluded), "
             "stock model vs the same model after `apply_lowmem` (ReGELU2/ReSiLU2, memory-sharing norms "
-            "with the affine applied by the consumer linears, weights recast in backward). LoRA: peft "
+            "with the affine applied by the consumer linears, weights recast in backward, LLaMA's gated "
+            "MLPs fused). LoRA: peft "
             "r=4, dropout 0. Step time ratio: whole training step (forward, backward, AdamW), lowmem / "
             f"stock, interleaved median of {repeats} in the same process (CPU: indicative only); "
             f"kernel backend `{kernels.backend()}`.\n\n" + markdown_table(header, rows)
