@@ -396,3 +396,14 @@ def test_packed_glu_saves_a_copy_of_the_gate_not_both_halves():
 
     assert per_token(stock) == 4 * hidden + 16 * intermediate
     assert per_token(model) == 4 * hidden + 8 * intermediate
+
+
+def test_plain_timm_mlp_is_no_gated_candidate():
+    """timm's ``Mlp`` shares the packed GLU's child names; it must not even appear as a gated MLP."""
+    from timm.layers import Mlp
+
+    model = Wrapper(Mlp(32, 64))
+    report = apply_lowmem(model, example_input=torch.randn(2, 5, 32))
+    assert report.status("mlp.act") == "converted"
+    with pytest.raises(KeyError):
+        report.status("mlp")

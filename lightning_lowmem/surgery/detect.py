@@ -84,9 +84,14 @@ _GATED_LAYOUTS = {
 
 
 def gated_layout(module: nn.Module) -> tuple[str, str] | None:
-    """``(layout, activation child name)`` when ``module`` looks like a gated MLP, else ``None``."""
+    """``(layout, activation child name)`` when ``module`` looks like a gated MLP, else ``None``.
+
+    timm's plain ``Mlp`` has the packed GLU's child names; ``gate_last`` tells them apart.
+    """
     children = set(module._modules)
     for layout, (names, act) in _GATED_LAYOUTS.items():
+        if layout == "timm packed" and not hasattr(module, "gate_last"):
+            continue
         if names == children or (layout == "hf" and names <= children):
             return ("timm" if layout.startswith("timm") else layout), act
     return None
