@@ -24,8 +24,8 @@ functions with the same contract, so the autograd functions in
 - ``gated_backward(grad, gate, second, kind, recover_up) -> (grad_gate, grad_up)``: gradients
   of ``h = act(gate) * up`` (all tensors one dtype and shape), computed in fp32 (fp64 for fp64)
   with ``act`` (rounded to the dtype, as the forward used it) and ``act'`` evaluated from ``gate``.
-  ``second`` is ``up``, or with ``recover_up``
-  the output ``h`` itself, from which ``up = h / act(gate)`` (0 where ``act(gate) == 0``).
+  ``second`` is ``up``, or with ``recover_up`` the output ``h`` itself, from which
+  ``up = h / act(gate)`` (0 where ``act(gate) == 0``).
 """
 
 from __future__ import annotations

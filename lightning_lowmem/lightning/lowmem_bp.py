@@ -25,8 +25,8 @@ class LowMemBP(Callback):
     GELU/SiLU modules become ReGELU2/ReSiLU2, gated MLPs one fused exact product that saves less,
     LayerNorm/RMSNorm layers whose output reaches only linear layers memory-sharing norms
     (decided by a probe forward on ``LightningModule.example_input_array``; without it no norm
-    is converted); linear layers recast their weights in backward. Parameter names do not change, so checkpoints load into
-    the stock model and back. The report is printed once at fit start on rank 0 and kept in
+    is converted); linear layers recast their weights in backward. Parameter names do not
+    change, so checkpoints load into the stock model and back. The report is printed once at fit start on rank 0 and kept in
     :attr:`report`. The arguments are those of :func:`~lightning_lowmem.surgery.apply_lowmem`.
     """
 

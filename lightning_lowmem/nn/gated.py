@@ -9,6 +9,8 @@ otherwise it saves ``gate`` and ``up`` (``"gate_up"``: exact, two). See
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import torch
 from torch import nn
 
@@ -38,7 +40,7 @@ def saves_its_input(layer: nn.Module | None) -> bool:
     )
 
 
-class GatedMLPBase(nn.Module):
+class GatedMLPBase(nn.Module, ABC):
     """``output(act(gate) * up)`` with ``gate, up = gate_and_up(x)``; subclasses fix the layout.
 
     Subclasses register the projections under the stock model's names (state_dict keys do not
@@ -53,15 +55,17 @@ class GatedMLPBase(nn.Module):
             raise ValueError(f"{type(self).__name__}: mode must be 'auto', 'gate_up' or 'gate', got {mode!r}")
         self.activation, self.mode = activation, mode
 
+    @abstractmethod
     def gate_and_up(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        raise NotImplementedError
+        """The two projections of the input."""
 
+    @abstractmethod
     def output(self, h: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+        """Everything after the product (the down projection, and any dropout or norm)."""
 
+    @abstractmethod
     def consumer(self) -> nn.Module | None:
         """The layer that receives the product itself (``None`` if anything comes in between)."""
-        raise NotImplementedError
 
     def resolved_mode(self) -> str:
         """``mode``, with ``"auto"`` resolved for the current ``requires_grad`` flags."""

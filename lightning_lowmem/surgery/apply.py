@@ -291,7 +291,7 @@ def apply_lowmem(
         layout = gated_layout(module) if do_gated and selected(name) else None
         if layout is not None:
             try:
-                kind = gated_mlp_kind(module, layout[0], layout[1], fused_gated_mlp)
+                kind = gated_mlp_kind(module, *layout)
                 gated_mlps[name] = (layout[0], kind)
                 inside_gated.add(f"{name}.{layout[1]}")
             except NotConvertible as err:

@@ -16,6 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 
+from lightning_lowmem.surgery.modules import fused_gated_mlp
+
 _ACTIVATION_NAME = re.compile(r"gelu|silu|swish", re.IGNORECASE)
 _NORM_NAME = re.compile(r"layer_?norm|rms_?norm", re.IGNORECASE)
 _EPS_ATTRS = ("eps", "variance_epsilon", "epsilon")
@@ -97,11 +99,11 @@ def gated_layout(module: nn.Module) -> tuple[str, str] | None:
     return None
 
 
-def gated_mlp_kind(module: nn.Module, layout: str, act_name: str, replacement) -> str:
+def gated_mlp_kind(module: nn.Module, layout: str, act_name: str) -> str:
     """The activation of a verified gated MLP, or :class:`NotConvertible`.
 
-    ``replacement(module, layout, kind)`` builds the fused module; it must compute what the
-    stock module computes on a random input (eval mode, so dropout cannot differ).
+    The fused replacement must compute what the stock module computes on a random input (eval
+    mode, so dropout cannot differ).
     """
     if not is_plain(module):
         raise NotConvertible("has hooks or a patched forward (a replacement would drop them)")
@@ -112,7 +114,7 @@ def gated_mlp_kind(module: nn.Module, layout: str, act_name: str, replacement) -
     parameter = next(first.parameters(), None)
     if parameter is None or not isinstance(getattr(first, "in_features", None), int):
         raise NotConvertible("its first projection is not a linear layer")
-    new = replacement(module, layout, kind)
+    new = fused_gated_mlp(module, layout, kind)
     x = torch.randn(2, 3, first.in_features, dtype=parameter.dtype, device=parameter.device)
     flags = [(m, m.training) for m in module.modules()]
     try:
