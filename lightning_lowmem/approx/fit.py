@@ -15,8 +15,9 @@ import math
 from collections.abc import Callable
 
 import numpy as np
+import torch
 
-from lightning_lowmem.ops.constants import StepDerivative
+from lightning_lowmem.ops.activation_registry import StepDerivative, check_bits
 
 Activation = Callable[[np.ndarray], np.ndarray]
 
@@ -43,6 +44,34 @@ ACTIVATIONS: dict[str, Activation] = {
 
 # The paper's integration windows (appendix E, tails bounded by 1e-8); others are found numerically.
 PAPER_WINDOWS = {"gelu": math.sqrt(-2.0 * math.log(1e-8)), "silu": -2.0 * math.log(1e-8 / 2.0)}
+
+
+def _numpy_activation(owner: str, fn: str | Callable) -> Activation:
+    """``fn`` as a function of float64 numpy arrays: a name from ``ACTIVATIONS``, a function taking
+    numpy arrays, or a torch callable (``F.gelu``, ``nn.Mish()``, a lambda on tensors), which is then
+    evaluated on float64 tensors. One call on a probe array decides which."""
+    if isinstance(fn, str):
+        if fn not in ACTIVATIONS:
+            raise ValueError(f"{owner}: unknown activation {fn!r}; known: {sorted(ACTIVATIONS)}")
+        return ACTIVATIONS[fn]
+    if not callable(fn):
+        raise TypeError(f"{owner}: fn must be an activation name or a callable, got {type(fn).__name__}")
+
+    def on_tensors(x: np.ndarray) -> np.ndarray:
+        with torch.no_grad():
+            return fn(torch.from_numpy(x)).double().numpy()
+
+    probe = np.linspace(-1.0, 1.0, 5)
+    for candidate in (fn, on_tensors):
+        try:
+            output = np.asarray(candidate(probe), dtype=np.float64)
+        except (TypeError, AttributeError) as error:  # a torch callable given an array, or the reverse
+            refusal = error
+            continue
+        if output.shape != probe.shape:
+            raise ValueError(f"{owner}: fn must return one value per input element, got shape {output.shape}")
+        return candidate
+    raise TypeError(f"{owner}: fn {fn!r} takes neither a numpy array nor a float64 torch tensor") from refusal
 
 
 def integration_window(fn: Activation, tail: float = 1e-8) -> float:
@@ -97,36 +126,41 @@ def _starts(fn: Activation, window: float, count: int, restarts: int, seed: int)
     return starts
 
 
+def _window(fn: str | Callable, activation: Activation, window: float | None) -> float:
+    """``window`` if given, else the paper's for its activations, else one found numerically."""
+    if window:
+        return window
+    if isinstance(fn, str) and fn in PAPER_WINDOWS:
+        return PAPER_WINDOWS[fn]
+    return integration_window(activation)
+
+
 def fit_step_derivative(
-    fn: str | Activation, bits: int, window: float | None = None, restarts: int | None = None, seed: int = 0
+    fn: str | Callable, bits: int, window: float | None = None, restarts: int | None = None, seed: int = 0
 ) -> StepDerivative:
-    """Fit the ``bits``-bit step derivative of ``fn`` (a name from ``ACTIVATIONS`` or a numpy function).
+    """Fit the ``bits``-bit step derivative of ``fn``: a name from ``ACTIVATIONS``, a numpy function,
+    or a torch callable such as ``F.gelu`` or ``nn.Mish()``.
 
     Returns the ``2^bits - 1`` ascending thresholds and the ``2^bits`` derivative values of the
     segments between them (the first is 0, the last 1). Every start is optimised on a coarse
     grid; the best few are polished on the fine one. ``restarts`` random starts are added
     (default: more for more bits).
     """
+    bits = check_bits("fit_step_derivative", bits)
+    activation = _numpy_activation("fit_step_derivative", fn)
     from scipy.optimize import minimize
 
-    if bits < 1 or bits > 4:
-        raise ValueError(f"fit_step_derivative: bits must be 1..4, got {bits}")
-    if isinstance(fn, str):
-        if fn not in ACTIVATIONS:
-            raise ValueError(f"fit_step_derivative: unknown activation {fn!r}; known: {sorted(ACTIVATIONS)}")
-        window = window or PAPER_WINDOWS.get(fn)
-        fn = ACTIVATIONS[fn]
-    window = window or integration_window(fn)
+    window = _window(fn, activation, window)
     count = 2**bits - 1
     restarts = (0, 2, 8, 16)[bits - 1] if restarts is None else restarts
     options = {"ftol": 1e-15, "gtol": 1e-12, "maxiter": 2000}
-    coarse = _Objective(fn, window, points=4_001)
+    coarse = _Objective(activation, window, points=4_001)
     results = []
-    for start in _starts(fn, window, count, restarts, seed):
+    for start in _starts(activation, window, count, restarts, seed):
         result = minimize(coarse, start, jac=True, method="L-BFGS-B", options=options)
         results.append((result.fun, np.sort(result.x)))
     results.sort(key=lambda r: r[0])
-    objective = _Objective(fn, window)
+    objective = _Objective(activation, window)
     best = None
     for _, start in results[:3]:
         result = minimize(objective, start, jac=True, method="L-BFGS-B", options=options)
@@ -138,13 +172,11 @@ def fit_step_derivative(
     return StepDerivative(tuple(float(t) for t in thresholds), tuple(float(v) for v in levels))
 
 
-def objective_value(fn: str | Activation, step: StepDerivative, window: float | None = None) -> float:
-    """The L2 objective ``int (h - h~)^2 dx`` of a step derivative (its ReLU weights from its levels)."""
-    if isinstance(fn, str):
-        window = window or PAPER_WINDOWS.get(fn)
-        fn = ACTIVATIONS[fn]
-    window = window or integration_window(fn)
-    objective = _Objective(fn, window)
+def objective_value(fn: str | Callable, step: StepDerivative, window: float | None = None) -> float:
+    """The L2 objective ``int (h - h~)^2 dx`` of a step derivative (its ReLU weights from its levels);
+    ``fn`` as for :func:`fit_step_derivative`."""
+    activation = _numpy_activation("objective_value", fn)
+    objective = _Objective(activation, _window(fn, activation, window))
     weights = np.diff(np.asarray(step.levels))
     approx = np.maximum(objective.x[:, None] - np.asarray(step.thresholds)[None, :], 0.0) @ weights
     residual = (objective.h - approx) * objective.w
