@@ -2,16 +2,20 @@
 
 The sharing is checked by storage pointer inside a Trainer training step: the storage an
 MS norm saves must be the one the next linear saves, and a stock norm's consumers must all
-save one tensor.
+save one tensor. The plugin's type is checked against Lightning's own plugin for each literal.
 """
 
 from __future__ import annotations
 
+import copy
+import pickle
 from collections import defaultdict
 
 import lightning.pytorch as pl
+import lightning.pytorch.plugins.precision as lightning_precision
 import pytest
 import torch
+from lightning.pytorch.callbacks.throughput_monitor import _plugin_to_compute_dtype
 from lightning.pytorch.cli import _JSONARGPARSE_SIGNATURES_AVAILABLE as _JSONARGPARSE_AVAILABLE
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.strategies import FSDPStrategy
@@ -20,7 +24,7 @@ from torch import nn
 from typing_extensions import Self
 
 from lightning_lowmem import LowMemPrecision
-from lightning_lowmem.lightning.precision import is_norm
+from lightning_lowmem.lightning.precision import LowMemHalfPrecision, LowMemMixedPrecision, is_norm
 from lightning_lowmem.nn import MSLayerNorm, ReGELU2
 from lightning_lowmem.surgery import apply_lowmem
 
@@ -119,12 +123,12 @@ class Block(pl.LightningModule):
         return torch.utils.data.DataLoader(torch.randn(8, 4, D), batch_size=4)
 
 
-def fit(model: pl.LightningModule, plugin, **kwargs) -> pl.Trainer:
+def fit(model: pl.LightningModule, plugin, ckpt_path=None, **kwargs) -> pl.Trainer:
     trainer = pl.Trainer(
         accelerator="cpu", max_steps=2, plugins=[plugin] if plugin else None, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, **kwargs,
     )  # fmt: skip
-    trainer.fit(model)
+    trainer.fit(model, ckpt_path=ckpt_path)
     return trainer
 
 
@@ -170,6 +174,65 @@ def test_fp16_grad_scaler_is_used():
     assert LowMemPrecision("bf16-mixed").scaler is None
 
 
+LIGHTNING_PLUGIN_TYPES = [
+    c
+    for c in vars(lightning_precision).values()
+    if isinstance(c, type) and issubclass(c, lightning_precision.Precision)
+]
+
+
+@pytest.mark.filterwarnings("ignore:You passed `Trainer\\(accelerator='cpu', precision='16-mixed'\\)`")
+@pytest.mark.parametrize("precision", list(MODES))
+def test_plugin_is_of_lightnings_type_for_its_literal(precision):
+    """Every isinstance check Lightning makes answers as for ``Trainer(precision=...)``'s own plugin,
+    and ThroughputMonitor reads the compute dtype."""
+    plugin = LowMemPrecision(precision)
+    stock = pl.Trainer(accelerator="cpu", precision=precision, logger=False).precision_plugin
+    assert {c.__name__ for c in LIGHTNING_PLUGIN_TYPES} >= {"Precision", "MixedPrecision", "HalfPrecision"}
+    for plugin_type in LIGHTNING_PLUGIN_TYPES:
+        assert isinstance(plugin, plugin_type) == isinstance(stock, plugin_type), plugin_type
+    assert isinstance(plugin, LowMemPrecision)
+    assert _plugin_to_compute_dtype(plugin) == MODES[precision][0]
+
+
+def test_checkpoint_restores_the_grad_scaler(tmp_path):
+    """Lightning saves and restores the fp16 grad scaler's state, as for its own MixedPrecision."""
+    trained = LowMemPrecision("16-mixed", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**10))
+    trainer = fit(Block(), trained)
+    trainer.save_checkpoint(tmp_path / "last.ckpt")
+    resumed = LowMemPrecision("16-mixed")
+    assert resumed.scaler.get_scale() != trained.scaler.get_scale()
+    fit(Block(), resumed, ckpt_path=tmp_path / "last.ckpt")
+    assert resumed.scaler.get_scale() == trained.scaler.get_scale()
+
+
+@pytest.mark.parametrize("precision", list(MODES))
+def test_pickle_and_deepcopy_keep_type_and_state(precision):
+    plugin = LowMemPrecision(precision)
+    for clone in (copy.deepcopy(plugin), pickle.loads(pickle.dumps(plugin))):
+        assert type(clone) is type(plugin)
+        assert repr(clone) == repr(plugin) == f"LowMemPrecision({precision!r})"
+        assert _plugin_to_compute_dtype(clone) == MODES[precision][0]
+        if precision == "16-mixed":
+            assert clone.scaler is not plugin.scaler and clone.scaler.state_dict() == plugin.scaler.state_dict()
+
+
+def test_converted_model_pickles_with_its_norm_hooks():
+    model = nn.Sequential(nn.Linear(D, D), nn.LayerNorm(D))
+    LowMemPrecision("bf16-true").convert_module(model)
+    clone = pickle.loads(pickle.dumps(model))
+    assert clone[1].weight.dtype == torch.float32
+    assert clone(torch.randn(2, D, dtype=torch.bfloat16)).dtype == torch.bfloat16
+
+
+def test_subclasses_refuse_other_modes_literals():
+    with pytest.raises(ValueError, match="LowMemHalfPrecision.*precision must be one of 16-true, bf16-true"):
+        LowMemHalfPrecision("bf16-mixed")
+    with pytest.raises(ValueError, match="Precision must be '16-mixed' or 'bf16-mixed'"):
+        LowMemMixedPrecision("bf16-true")
+    assert LowMemHalfPrecision("16-true")._desired_input_dtype == torch.float16
+
+
 def test_precision_flag_and_plugin_together_is_lightnings_error():
     with pytest.raises(
         ValueError, match=r"Received both `precision=bf16-mixed` and `plugins=LowMemPrecision\('16-true'\)`"
@@ -196,15 +259,16 @@ def test_fsdp_is_refused_by_name():
 
 
 @pytest.mark.skipif(not _JSONARGPARSE_AVAILABLE, reason="LightningCLI needs jsonargparse[signatures] (test extra)")
-def test_lightning_cli_yaml_class_path(tmp_path):
+@pytest.mark.parametrize("precision", list(MODES))
+def test_lightning_cli_yaml_class_path(tmp_path, precision):
     config = tmp_path / "config.yaml"
     config.write_text(
         "trainer:\n  accelerator: cpu\n  logger: false\n  plugins:\n"
-        "    - class_path: lightning_lowmem.LowMemPrecision\n      init_args:\n        precision: bf16-true\n"
+        f"    - class_path: lightning_lowmem.LowMemPrecision\n      init_args:\n        precision: {precision}\n"
     )
     cli = LightningCLI(Block, run=False, args=["--config", str(config)], save_config_kwargs={"overwrite": True})
-    assert isinstance(cli.trainer.precision_plugin, LowMemPrecision)
-    assert cli.trainer.precision == "bf16-true"
+    assert type(cli.trainer.precision_plugin) is type(LowMemPrecision(precision))
+    assert cli.trainer.precision == precision
 
 
 def test_norm_detection():

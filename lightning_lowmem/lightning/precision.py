@@ -1,4 +1,4 @@
-"""LowMemPrecision: Lightning precision plugin that keeps normalization layers in fp32.
+"""LowMemPrecision: Lightning precision plugins that keep normalization layers in fp32.
 
 Under any half precision, norms compute their statistics and hold their parameters in
 fp32, while their outputs come out in the compute dtype. The output dtype matters for
@@ -6,13 +6,17 @@ memory: a norm returning fp32 under autocast makes every consuming linear save i
 half copy of it (three copies for separate q/k/v projections); a norm returning the
 compute dtype hands all of them one tensor, and a memory-sharing norm's saved output is
 then the very storage the linears save.
+
+``LowMemPrecision(precision)`` builds the plugin of the stock type for the literal, so that
+every ``isinstance`` check in Lightning (grad-scaler checkpoint state, ``ThroughputMonitor``'s
+compute dtype, strategies) sees what it sees for ``Trainer(precision=...)``. The norm handling
+is in module-level functions, for other plugin types (an ``FSDPPrecision`` variant) to share.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
-from contextlib import AbstractContextManager
+from functools import partial
 from typing import Any, Literal, get_args
 from weakref import WeakKeyDictionary
 
@@ -21,19 +25,20 @@ from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, P
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
+from typing_extensions import Self, override
 
-from lightning_lowmem.nn import MSLayerNorm, MSRMSNorm
-from lightning_lowmem.surgery import DeferredAffineNorm
+from lightning_lowmem.nn import MemorySharingNorm
 
-_PRECISION = Literal["16-mixed", "bf16-mixed", "16-true", "bf16-true", "32-true"]
-_HALF = {"16": torch.float16, "bf16": torch.bfloat16}
+_MIXED = Literal["16-mixed", "bf16-mixed"]
+_TRUE_HALF = Literal["16-true", "bf16-true"]
+_PRECISION = Literal[_MIXED, _TRUE_HALF, "32-true"]
 _NORM_NAME = re.compile(r"norm(\d+d)?$", re.IGNORECASE)
 _TORCH_NORMS = (
     nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.LocalResponseNorm,
     nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm,
     nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d,
 )  # fmt: skip
-_MEMORY_SHARING_NORMS = (MSLayerNorm, MSRMSNorm, DeferredAffineNorm)
+_MEMORY_SHARING_NORMS = (MemorySharingNorm,)
 
 # One output hook per norm module, whichever plugin installed it last (a model can be
 # set up by several trainers, or several times by one).
@@ -46,16 +51,59 @@ def is_norm(module: nn.Module) -> bool:
     return isinstance(module, (*_TORCH_NORMS, *_MEMORY_SHARING_NORMS)) or bool(_NORM_NAME.search(type(module).__name__))
 
 
+def cast_except_norms(module: nn.Module, dtype: torch.dtype) -> None:
+    """Cast ``module``'s floating parameters and buffers to ``dtype``, and its norms' to fp32."""
+    norms = {id(m) for m in module.modules() if is_norm(m)}
+    for submodule in module.modules():
+        target = torch.float32 if id(submodule) in norms else dtype
+        submodule._apply(partial(_cast_floating, target), recurse=False)
+
+
+def cast_norm_outputs(module: nn.Module, dtype: torch.dtype | None) -> None:
+    """Make every stock norm in ``module`` return the compute dtype: the autocast dtype under
+    autocast, else ``dtype`` (``None``: leave the output as it is). Memory-sharing norms already do."""
+    for norm in module.modules():
+        if not is_norm(norm) or isinstance(norm, _MEMORY_SHARING_NORMS):
+            continue
+        previous = _OUTPUT_HOOKS.pop(norm, None)
+        if previous is not None:
+            previous.remove()
+        # a partial of a module-level function: a converted model stays picklable
+        _OUTPUT_HOOKS[norm] = norm.register_forward_hook(partial(_output_to_compute_dtype, dtype))
+
+
+def _output_to_compute_dtype(dtype: torch.dtype | None, module: nn.Module, args: Any, output: Any) -> Any:
+    if not isinstance(output, Tensor) or not output.is_floating_point():
+        return output
+    if torch.is_autocast_enabled(output.device.type):
+        dtype = torch.get_autocast_dtype(output.device.type)
+    return output if dtype is None or output.dtype == dtype else output.to(dtype)
+
+
+def _cast_floating(dtype: torch.dtype, tensor: Tensor) -> Tensor:
+    return tensor.to(dtype) if tensor.is_floating_point() else tensor
+
+
+def _check_precision(owner: str, precision: object, accepted: tuple[str, ...]) -> None:
+    if precision not in accepted:
+        raise ValueError(f"{owner}(precision={precision!r}): precision must be one of {', '.join(accepted)}")
+
+
 class LowMemPrecision(Precision):
     """Precision plugin: Lightning's precision modes with normalization layers kept in fp32.
 
-    ``"16-mixed"``/``"bf16-mixed"`` run the model under autocast like Lightning's
-    ``MixedPrecision`` (with a grad scaler for fp16); ``"16-true"``/``"bf16-true"`` convert
-    the model to half like ``HalfPrecision``, except its norms, whose parameters and
-    buffers stay fp32; ``"32-true"`` changes nothing. In every half mode a stock norm's
-    output is cast to the compute dtype (the autocast dtype, or the half dtype for
-    ``*-true``), so all its consumers share one tensor. Memory-sharing norms
-    (:class:`~lightning_lowmem.nn.MSLayerNorm`, :class:`~lightning_lowmem.nn.MSRMSNorm`)
+    ``LowMemPrecision(precision)`` builds the plugin of Lightning's type for the literal:
+
+    - ``"16-mixed"``/``"bf16-mixed"``: a :class:`LowMemMixedPrecision`, Lightning's
+      ``MixedPrecision`` (autocast, and a grad scaler for fp16);
+    - ``"16-true"``/``"bf16-true"``: a :class:`LowMemHalfPrecision`, Lightning's
+      ``HalfPrecision``, which converts the model to half except its norms, whose parameters
+      and buffers stay fp32;
+    - ``"32-true"``: a ``LowMemPrecision``, a plain ``Precision`` that changes nothing.
+
+    In every half mode a stock norm's output is cast to the compute dtype (the autocast dtype,
+    or the half dtype for ``*-true``), so all its consumers share one tensor. Memory-sharing
+    norms (:class:`~lightning_lowmem.nn.MSLayerNorm`, :class:`~lightning_lowmem.nn.MSRMSNorm`)
     already compute in fp32 and return the compute dtype, and are left as they are.
 
     Norms are recognised by :func:`is_norm`. Torch's norm kernels accept a half input with
@@ -76,8 +124,8 @@ class LowMemPrecision(Precision):
     Args:
         precision: one of ``"16-mixed"``, ``"bf16-mixed"``, ``"16-true"``, ``"bf16-true"``,
             ``"32-true"``; ``trainer.precision`` reports it.
-        device: device type for autocast (``"cuda"``, ``"cpu"``, ...). Default: ``"cuda"``
-            when CUDA is available, else ``"cpu"``; it must match the accelerator.
+        device: device type for autocast (``"cuda"``, ``"cpu"``, ...), mixed modes only. Default:
+            ``"cuda"`` when CUDA is available, else ``"cpu"``; it must match the accelerator.
         scaler: a ``torch.amp.GradScaler`` for ``"16-mixed"`` (one is created by default).
 
     Example::
@@ -92,117 +140,77 @@ class LowMemPrecision(Precision):
               init_args: {precision: bf16-mixed}
     """
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         precision: _PRECISION = "bf16-mixed",
         device: str | None = None,
         scaler: torch.amp.GradScaler | None = None,
-    ) -> None:
-        if precision not in get_args(_PRECISION):
-            raise ValueError(
-                f"LowMemPrecision(precision={precision!r}): precision must be one of {', '.join(get_args(_PRECISION))}"
-            )
+    ) -> Self:
+        _check_precision(cls.__name__, precision, get_args(_PRECISION))
         if scaler is not None and precision != "16-mixed":
             raise MisconfigurationException(f"LowMemPrecision({precision!r}) does not use a grad scaler, got {scaler}")
-        self.precision = precision
-        self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        prefix, kind = precision.split("-")
-        self._half_dtype: torch.dtype | None = _HALF.get(prefix)
-        self._autocast = kind == "mixed"
-        # The stock plugin for this literal does everything except the norm handling.
-        self._base: Precision
-        if self._autocast:
-            self._base = MixedPrecision(precision, self.device, scaler)  # type: ignore[arg-type]
-        elif self._half_dtype is not None:
-            self._base = HalfPrecision(precision)  # type: ignore[arg-type]
-        else:
-            self._base = Precision()
+        return super().__new__(_PLUGINS[precision] if cls is LowMemPrecision else cls)
 
+    def __getnewargs__(self) -> tuple[str]:
+        """Pickle and deepcopy rebuild through ``__new__``: the literal picks the class again."""
+        return (self.precision,)
+
+    @override
     def __repr__(self) -> str:
+        """The call that builds this plugin (Lightning's error messages show it)."""
         return f"LowMemPrecision({self.precision!r})"
 
-    @property
-    def scaler(self) -> torch.amp.GradScaler | None:
-        """The grad scaler (``"16-mixed"`` only); ``trainer.scaler`` reads it."""
-        return getattr(self._base, "scaler", None)
 
-    # -- the model -------------------------------------------------------------------------
+class LowMemMixedPrecision(LowMemPrecision, MixedPrecision):
+    """Lightning's ``MixedPrecision`` whose stock norms return the autocast dtype (see :class:`LowMemPrecision`)."""
+
+    def __init__(
+        self,
+        precision: _MIXED = "bf16-mixed",
+        device: str | None = None,
+        scaler: torch.amp.GradScaler | None = None,
+    ) -> None:
+        super().__init__(precision, device or ("cuda" if torch.cuda.is_available() else "cpu"), scaler)
+
+    @override
     def convert_module(self, module: nn.Module) -> nn.Module:
-        """Convert to the half dtype (``*-true``) except norms, which stay or become fp32;
-        in half modes, make stock norms return the compute dtype."""
-        if self._half_dtype is None:
-            return module
-        norms = [m for m in module.modules() if is_norm(m)]
-        if not self._autocast:
-            to_half = _cast_floating(self._half_dtype)
-            norm_ids = {id(m) for m in norms}
-            for submodule in module.modules():
-                if id(submodule) not in norm_ids:
-                    submodule._apply(to_half, recurse=False)
-            for norm in norms:
-                norm._apply(_cast_floating(torch.float32), recurse=False)
-        for norm in norms:
-            if not isinstance(norm, _MEMORY_SHARING_NORMS):
-                self._install_output_hook(norm)
+        cast_norm_outputs(module, None)  # outside autocast (a model used by hand), outputs stay as they are
         return module
 
-    def _install_output_hook(self, norm: nn.Module) -> None:
-        previous = _OUTPUT_HOOKS.pop(norm, None)
-        if previous is not None:
-            previous.remove()
-        _OUTPUT_HOOKS[norm] = norm.register_forward_hook(self._output_to_compute_dtype)
-
-    def _output_to_compute_dtype(self, module: nn.Module, args: Any, output: Any) -> Any:
-        if not isinstance(output, Tensor) or not output.is_floating_point():
-            return output
-        device_type = output.device.type
-        if torch.is_autocast_enabled(device_type):
-            dtype = torch.get_autocast_dtype(device_type)
-        elif self._autocast:
-            return output  # a mixed-precision model used outside autocast: leave it alone
-        else:
-            dtype = self._half_dtype
-        return output if output.dtype == dtype else output.to(dtype)
-
-    def connect(self, model: nn.Module, optimizers: list, lr_schedulers: list) -> tuple[nn.Module, list, list]:
+    @override
+    def connect(
+        self, model: nn.Module, optimizers: list[torch.optim.Optimizer], lr_schedulers: list[Any]
+    ) -> tuple[nn.Module, list[torch.optim.Optimizer], list[Any]]:
         """Refuse a model on another device type than autocast's: autocast would silently do nothing."""
         parameter = next(model.parameters(), None)
-        if self._autocast and parameter is not None and parameter.device.type != self.device:
+        if parameter is not None and parameter.device.type != self.device:
             raise MisconfigurationException(
-                f"LowMemPrecision({self.precision!r}) autocasts on device type {self.device!r}, but the model is on "
-                f"{parameter.device.type!r}; pass LowMemPrecision({self.precision!r}, device={parameter.device.type!r})"
+                f"{self!r} autocasts on device type {self.device!r}, but the model is on {parameter.device.type!r}; "
+                f"pass LowMemPrecision({self.precision!r}, device={parameter.device.type!r})"
             )
-        return model, optimizers, lr_schedulers
-
-    # -- delegated to the stock plugin for this literal --------------------------------------
-    def forward_context(self) -> AbstractContextManager:
-        return self._base.forward_context()
-
-    def convert_input(self, data: Any) -> Any:
-        return self._base.convert_input(data)
-
-    def tensor_init_context(self) -> AbstractContextManager:
-        return self._base.tensor_init_context()
-
-    def module_init_context(self) -> AbstractContextManager:
-        return self._base.module_init_context()
-
-    def pre_backward(self, tensor: Tensor, module: Any) -> Tensor:
-        return self._base.pre_backward(tensor, module)
-
-    def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
-        return self._base.optimizer_step(optimizer, model, closure, **kwargs)
-
-    def clip_gradients(self, optimizer: Any, clip_val: float = 0.0, gradient_clip_algorithm: Any = None) -> None:
-        kwargs = {} if gradient_clip_algorithm is None else {"gradient_clip_algorithm": gradient_clip_algorithm}
-        self._base.clip_gradients(optimizer, clip_val, **kwargs)
-
-    def state_dict(self) -> dict[str, Any]:
-        return self._base.state_dict()
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._base.load_state_dict(state_dict)
+        return super().connect(model, optimizers, lr_schedulers)
 
 
-def _cast_floating(dtype: torch.dtype) -> Callable[[Tensor], Tensor]:
-    return lambda t: t.to(dtype) if t.is_floating_point() else t
+class LowMemHalfPrecision(LowMemPrecision, HalfPrecision):
+    """Lightning's ``HalfPrecision`` whose norms keep fp32 parameters and buffers and return the
+    half dtype (see :class:`LowMemPrecision`). ``device`` and ``scaler`` are accepted because
+    ``LowMemPrecision(...)`` passes them on; with no autocast and no scaler they are unused."""
+
+    def __init__(self, precision: _TRUE_HALF = "bf16-true", device: str | None = None, scaler: None = None) -> None:
+        _check_precision(type(self).__name__, precision, get_args(_TRUE_HALF))
+        super().__init__(precision)
+
+    @override
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        cast_except_norms(module, self._desired_input_dtype)
+        cast_norm_outputs(module, self._desired_input_dtype)
+        return module
+
+
+_PLUGINS: dict[str, type[LowMemPrecision]] = {
+    "16-mixed": LowMemMixedPrecision,
+    "bf16-mixed": LowMemMixedPrecision,
+    "16-true": LowMemHalfPrecision,
+    "bf16-true": LowMemHalfPrecision,
+    "32-true": LowMemPrecision,
+}
