@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import interleaved_median, markdown_table, write_section
 from lightning_lowmem import apply_lowmem, kernels
 from lightning_lowmem.memory import SavedTensorMeter
-from lightning_lowmem.nn.gated import GatedMLPBase
+from lightning_lowmem.nn import GatedMLPBase
 
 RANK = 8
 VARIANTS = ("stock", "ReSiLU2 only", "fused, saves gate and up", "fused, auto (lightning-lowmem)")

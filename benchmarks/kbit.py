@@ -23,53 +23,23 @@ from torch import nn
 
 from benchmarks.common import markdown_table, write_section
 from benchmarks.parity import docstrings
-from lightning_lowmem.functional import regelu2, resilu2
-from lightning_lowmem.kernels import torch_ops
-from lightning_lowmem.ops.constants import step_derivative, storage_bits
-from lightning_lowmem.ops.step_tables import TABLES
+from lightning_lowmem.ops.activation import step_activation
+from lightning_lowmem.ops.activation_registry import ACTIVATIONS, SUPPORTED_BITS, code_bits
 
-BITS = (1, 2, 3, 4)
-EXACT = {
-    "gelu": lambda x: F.gelu(x),
-    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "silu": F.silu,
-    "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
-    "mish": F.mish,
-}
-
-
-class _TableActivation(torch.autograd.Function):
-    """Exact forward of any activation, k-bit backward via the reference kernels (QuickGELU, Mish)."""
-
-    @staticmethod
-    def forward(ctx, x, name, step):
-        xa = x.reshape(-1).float()
-        codes = torch.zeros(xa.shape, dtype=torch.uint8)
-        for t in step.thresholds:
-            codes += xa > t
-        ctx.save_for_backward(torch_ops.pack_codes(codes, torch_ops.storage_bits(len(step.thresholds))))
-        ctx.levels = step.levels
-        return EXACT[name](x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        (packed,) = ctx.saved_tensors
-        return torch_ops.act_backward(grad.contiguous(), packed, ctx.levels), None, None
+BITS = SUPPORTED_BITS
 
 
 class Act(nn.Module):
+    """The exact activation (``bits=None``) or its ``bits``-bit low-memory op."""
+
     def __init__(self, name: str, bits: int | None) -> None:
         super().__init__()
         self.name, self.bits = name, bits
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.bits is None:
-            return EXACT[self.name](x)
-        if self.name in ("gelu", "gelu_tanh"):
-            return regelu2(x, approximate="tanh" if self.name == "gelu_tanh" else "none", bits=self.bits)
-        if self.name == "silu":
-            return resilu2(x, bits=self.bits)
-        return _TableActivation.apply(x, self.name, TABLES[self.name][self.bits])
+            return ACTIVATIONS[self.name].stock(x)
+        return step_activation(x, self.name, self.bits)
 
 
 def load_model():
@@ -121,16 +91,16 @@ def main() -> None:
     )
     labels = torch.tensor([label for _, label in samples])
     rows = []
-    for name in EXACT:
+    for name in ACTIVATIONS:
         set_activation(model, Act(name, None))
         reference = gradient(model, batch, labels)
         for bits in BITS:
             set_activation(model, Act(name, bits))
             total, worst = cosine(gradient(model, batch, labels), reference)
-            paper = " (paper)" if bits == 2 and name in ("gelu", "gelu_tanh", "silu") else ""
-            step = step_derivative(name, bits) if name in ("gelu", "gelu_tanh", "silu") else TABLES[name][bits]
+            paper = " (paper)" if bits == 2 and ACTIVATIONS[name].paper_2bit else ""
+            step = ACTIVATIONS[name].step_derivative(bits)
             rows.append([
-                name, f"{bits}{paper}", f"{storage_bits(bits) / 8:.3g}", f"{storage_bits(bits) / 8 / 2:.3g}",
+                name, f"{bits}{paper}", f"{code_bits(bits) / 8:.3g}", f"{code_bits(bits) / 8 / 2:.3g}",
                 f"{total:.5f}", f"{worst:.4f}", len(step.thresholds),
             ])  # fmt: skip
             print(" | ".join(map(str, rows[-1])), flush=True)

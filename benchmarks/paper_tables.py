@@ -28,8 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import interleaved_median, markdown_table, write_section
 from benchmarks.surgery import LLAMA_LORA, lora, saved_bytes, step_fn
 from lightning_lowmem import apply_lowmem, kernels
+from lightning_lowmem.memory import MIB
 
-MIB = float(1 << 20)
 # (approximate activation?, memory-sharing norm?, lightning-lowmem extras?) -> apply_lowmem options.
 # The first is the stock model; the last is lightning-lowmem's default, beyond the paper: linears
 # recast their weights in backward, and gated MLPs (LLaMA) fuse act(gate) * up exactly.

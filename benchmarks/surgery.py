@@ -24,10 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import interleaved_median, markdown_table, write_section
 from lightning_lowmem import kernels
-from lightning_lowmem.memory import SavedTensorMeter
+from lightning_lowmem.memory import MIB, SavedTensorMeter
 from lightning_lowmem.surgery import apply_lowmem
 
-MIB = float(1 << 20)
 VIT_LORA = {"LoRA on qkv only": ["qkv"], "LoRA on qkv, proj, fc1, fc2": ["qkv", "proj", "fc1", "fc2"]}
 LLAMA_LORA = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 

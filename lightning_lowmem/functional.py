@@ -1,5 +1,21 @@
-"""Functional API: ``regelu2``, ``resilu2``, ``ms_layer_norm``, ``ms_rms_norm``, ``gated_activation``."""
+"""Functional API: the low-memory autograd ops."""
 
-from lightning_lowmem.ops import gated_activation, ms_layer_norm, ms_rms_norm, regelu2, resilu2
+from lightning_lowmem.ops import (
+    affine_linear,
+    gated_activation,
+    ms_layer_norm,
+    ms_rms_norm,
+    regelu2,
+    resilu2,
+    step_activation,
+)
 
-__all__ = ["gated_activation", "ms_layer_norm", "ms_rms_norm", "regelu2", "resilu2"]
+__all__ = [
+    "affine_linear",
+    "gated_activation",
+    "ms_layer_norm",
+    "ms_rms_norm",
+    "regelu2",
+    "resilu2",
+    "step_activation",
+]

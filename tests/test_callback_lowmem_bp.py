@@ -15,8 +15,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_lowmem.lightning import LowMemBP
-from lightning_lowmem.nn import GatedMLP
-from lightning_lowmem.surgery import DeferredAffineNorm, LowMemLinear
+from lightning_lowmem.nn import GatedMLP, LowMemLinear, MemorySharingNorm
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -80,7 +79,7 @@ def test_converts_before_optimizers_and_prints_once(tmp_path, late, caplog):
     callback = t.callbacks[0] if isinstance(t.callbacks[0], LowMemBP) else None
     report = callback.report
     assert report.status("net.0") == "converted" and report.status("net.2") == "converted"
-    assert isinstance(model.net[0], DeferredAffineNorm) and model.net[1].norm is model.net[0]
+    assert isinstance(model.net[0], MemorySharingNorm) and model.net[1].norm is model.net[0]
     assert report.saved_bytes_after < report.saved_bytes_before
     assert sum("LowMemBP:" in r.getMessage() for r in caplog.records) == 1
     assert "configure_model" not in model.__dict__  # the hook patch is gone
@@ -108,7 +107,7 @@ def test_checkpoint_resume_and_stock_load(tmp_path):
     resumed = Module()
     t2 = trainer(tmp_path, max_steps=4)
     t2.fit(resumed, loader(), ckpt_path=ckpt)
-    assert t2.global_step == 4 and isinstance(resumed.net[0], DeferredAffineNorm)
+    assert t2.global_step == 4 and isinstance(resumed.net[0], MemorySharingNorm)
 
 
 DDP_SCRIPT = """
@@ -117,7 +116,7 @@ import lightning.pytorch as pl
 sys.path.insert(0, {tests!r})
 from test_callback_lowmem_bp import Module, loader
 from lightning_lowmem.lightning import LowMemBP
-from lightning_lowmem.surgery import DeferredAffineNorm
+from lightning_lowmem.nn import MemorySharingNorm
 
 callback = LowMemBP()
 trainer = pl.Trainer(accelerator="cpu", strategy="ddp", devices=2, max_steps=3, logger=False,
@@ -130,7 +129,7 @@ weights = torch.cat([p.detach().flatten() for p in model.parameters()])
 gathered = trainer.strategy.all_gather(weights)
 if trainer.global_rank == 0:
     json.dump({{"converted": [e.name for e in callback.report.converted],
-               "norm": isinstance(model.net[0], DeferredAffineNorm),
+               "norm": isinstance(model.net[0], MemorySharingNorm),
                "ranks_equal": bool(torch.equal(gathered[0], gathered[1])),
                "steps": trainer.global_step}}, open({out!r}, "w"))
 """
@@ -183,7 +182,7 @@ def test_real_architectures_fit_checkpoint_resume(tmp_path, arch):
     t = trainer(tmp_path, precision="bf16-mixed")
     t.fit(model, data)
     report = t.callbacks[0].report
-    assert sum(isinstance(m, DeferredAffineNorm) for m in model.modules()) == 4
+    assert sum(isinstance(m, MemorySharingNorm) for m in model.modules()) == 4
     assert any(isinstance(m, GatedMLP) for m in model.modules()) == (arch == "llama")
     assert report.saved_bytes_after < 0.8 * report.saved_bytes_before
     ckpt = tmp_path / "arch.ckpt"

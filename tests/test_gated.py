@@ -9,12 +9,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_lowmem import apply_lowmem
+from lightning_lowmem import apply_lowmem, kernels
 from lightning_lowmem.functional import gated_activation
-from lightning_lowmem.kernels import build, torch_ops
+from lightning_lowmem.kernels import torch_ops
 from lightning_lowmem.memory import SavedTensorMeter
-from lightning_lowmem.nn import GatedMLP
-from lightning_lowmem.surgery.modules import TimmGluMlp
+from lightning_lowmem.nn import GatedMLP, TimmGluMlp
+from lightning_lowmem.ops.gated import forward_activation
 
 KINDS = {
     "silu": F.silu,
@@ -24,10 +24,12 @@ KINDS = {
 MODES = ("gate_up", "gate")
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 SHAPES = [(0, 4), (1,), (3, 5), (2, 7, 33), (4097,)]
-DEVICES = [
-    "cpu",
-    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")]),
-]
+# Per compiled backend: odd tails, both sides of its block (C++: 2048-element tasks; Triton: 1024), many blocks.
+SIZES = {
+    "cpp": [0, 1, 7, 2047, 2049, 3 * 2048 + 5, 100_003],
+    "cuda": [0, 1, 7, 255, 257, 100_003],
+    "triton": [0, 1, 7, 1023, 1025, 2 * 1024 + 5],
+}
 
 
 def stock_grads(kind, gate, up, grad, dtype=None):
@@ -70,10 +72,21 @@ def test_gradcheck_fp64(kind, mode):
     assert torch.autograd.gradcheck(lambda g, u: gated_activation(g, u, kind, mode), (gate, up))
 
 
+@pytest.fixture(params=["torch", "cpp", "triton"])
+def cpu_backend(request, monkeypatch) -> str:
+    """The ops run on each backend that runs CPU tensors (Triton in its interpreter)."""
+    if request.param == "triton":
+        module = kernels._triton_module()
+        if isinstance(module, ImportError) or not module.INTERPRETED:
+            pytest.skip("Triton runs CPU tensors only in its interpreter (TRITON_INTERPRET=1)")
+    monkeypatch.setenv(kernels.ENV_VAR, request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_gradients_as_close_to_exact_as_stock(kind, mode, dtype):
+def test_gradients_as_close_to_exact_as_stock(cpu_backend, kind, mode, dtype):
     """Against fp64 truth, the fused op errs no more than the stock unfused op in ``dtype`` does."""
     gate, up, grad = inputs((8, 1000), dtype)
     truth = stock_grads(kind, gate, up, grad, torch.float64)
@@ -162,37 +175,63 @@ def test_bad_input_raises():
 
 
 # -- compiled kernels -------------------------------------------------------------------------
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("recover_up", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_compiled_backward_matches_reference(device, kind, recover_up, dtype):
-    ext = build.load("cpu" if device == "cpu" else "cuda")
-    assert not isinstance(ext, build.BuildError), ext
+def test_compiled_backward_matches_reference(kernel_backend, kind, recover_up, dtype):
     tolerance = (
         {"atol": 2e-2, "rtol": 2e-2} if dtype in (torch.float16, torch.bfloat16) else {"atol": 1e-5, "rtol": 1e-5}
     )
-    for n in (0, 1, 7, 2047, 2049, 3 * 2048 + 5, 100_003):
-        gate, up, grad = inputs((n,), dtype, device)
-        second = torch_ops.stock_activation(gate, kind) * up if recover_up else up
-        got = ext.gated_backward(grad, gate, second, kind, recover_up)
-        expected = torch_ops.gated_backward(grad.cpu(), gate.cpu(), second.cpu(), kind, recover_up)
+    for n in SIZES[kernel_backend.name]:
+        gate, up, grad = inputs((n,), dtype, kernel_backend.device)
+        act = torch_ops.stock_activation(gate, kind) if recover_up else None
+        second = act * up if recover_up else up
+        got = kernel_backend.module.gated_backward(grad, gate, second, kind, act)
+        expected = torch_ops.gated_backward(grad, gate, second, kind, act)
         for g, e in zip(got, expected):
-            assert g.dtype == dtype and g.device.type == device
-            torch.testing.assert_close(g.cpu(), e, **tolerance)
+            assert g.dtype == dtype and g.device == gate.device
+            torch.testing.assert_close(g, e, **tolerance)
 
 
-def test_compiled_backward_rejects_bad_arguments():
-    ext = build.load("cpu")
-    x = torch.randn(8)
-    with pytest.raises(ValueError, match="unknown activation kind"):
-        ext.gated_backward(x, x, x, "relu", False)
-    with pytest.raises(ValueError, match="shapes differ"):
-        ext.gated_backward(x, torch.randn(9), x, "silu", False)
-    with pytest.raises(TypeError, match="dtypes differ"):
-        ext.gated_backward(x, x.double(), x, "silu", False)
-    with pytest.raises(ValueError, match="share shape and dtype"):
-        torch_ops.gated_backward(x, x.double(), x, "silu", False)
+def test_compiled_backward_rejects_bad_arguments(kernel_backend):
+    x = torch.randn(8, device=kernel_backend.device)
+    for ext in (kernel_backend.module, torch_ops):
+        with pytest.raises(ValueError, match="gated_backward: unknown activation kind"):
+            ext.gated_backward(x, x, x, "relu", None)
+        with pytest.raises(ValueError, match="gated_backward: .*shape"):
+            ext.gated_backward(x, torch.randn(9, device=x.device), x, "silu", None)
+        with pytest.raises((TypeError, ValueError), match="gated_backward: .*dtype"):
+            ext.gated_backward(x, x.double(), x, "silu", None)
+        with pytest.raises((TypeError, ValueError), match="gated_backward: .*dtype"):
+            ext.gated_backward(x, x, x, "silu", x.half())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["contiguous", "packed, gate first", "packed, gate last"])
+def test_gate_mode_divides_by_the_forwards_own_activation(cpu_backend, kind, dtype, layout):
+    """The backward's act(gate) has the forward's bits on every backend, also for a strided gate (timm's
+    packed fc1, where ATen's CPU kernels round differently than on a contiguous copy): up = h / act is then
+    exact to h's rounding, and the up gradient, grad * act, equals the stock one bit for bit."""
+    fc1 = (torch.randn(6, 7, 2 * 333, dtype=torch.float64) * 3).to(dtype)
+    gate, up = fc1.chunk(2, dim=-1)
+    if layout == "contiguous":
+        gate, up = gate.contiguous(), up.contiguous()
+    elif layout == "packed, gate last":
+        up, gate = gate, up
+    act = torch_ops.stock_activation(gate, kind)
+    assert torch.equal(forward_activation(gate.contiguous(), (gate.size(), gate.stride()), kind), act)
+    grad = torch.randn(gate.shape, dtype=torch.float64).to(dtype)
+    _, stock_up_grad = stock_grads(kind, gate, up, grad)
+    g, u = gate.clone().requires_grad_(), up.clone().requires_grad_()
+    if layout != "contiguous":  # the op sees the strided halves of one tensor, as in timm
+        leaf = fc1.clone().requires_grad_()
+        halves = leaf.chunk(2, dim=-1)
+        g, u = halves if layout == "packed, gate first" else halves[::-1]
+    out = gated_activation(g, u, kind, "gate")
+    assert torch.equal(out, act * up)
+    (up_grad,) = torch.autograd.grad(out, u, grad)
+    assert torch.equal(up_grad, stock_up_grad)
 
 
 # -- the module and its automatic mode ---------------------------------------------------------

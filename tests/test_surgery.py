@@ -10,9 +10,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_lowmem.memory import SavedTensorMeter
-from lightning_lowmem.nn import GatedMLP, ReGELU2, ReSiLU2
-from lightning_lowmem.surgery import DeferredAffineNorm, LowMemLinear, apply_lowmem
+from lightning_lowmem.nn import GatedMLP, LowMemLinear, MemorySharingNorm, ReGELU2, ReSiLU2
 from lightning_lowmem.surgery import apply as apply_module
+from lightning_lowmem.surgery import apply_lowmem
 
 timm = pytest.importorskip("timm")
 peft = pytest.importorskip("peft")
@@ -252,7 +252,7 @@ def test_bert_post_ln_norms_stay_and_gelu_converts():
     assert report.status(base + "encoder.layer.0.intermediate.intermediate_act_fn") == "converted"
     assert report.status(base + "encoder.layer.0.attention.output.LayerNorm") == "left alone"
     assert report.status(base + "embeddings.LayerNorm") == "left alone"
-    assert not any(isinstance(m, DeferredAffineNorm) for m in model.modules())
+    assert not any(isinstance(m, MemorySharingNorm) for m in model.modules())
     assert_same_outputs(stock, model, x)
     torch.manual_seed(0)
     assert_same_outputs(stock_twin(tiny_bert, model), model, x)
@@ -304,9 +304,9 @@ def test_include_exclude_and_bad_options():
 
 
 def test_rejects_lookalikes():
-    class QuickGELU(nn.Module):
+    class ScaledSiLU(nn.Module):  # neither SiLU nor QuickGELU
         def forward(self, x):
-            return x * torch.sigmoid(1.702 * x)
+            return x * torch.sigmoid(1.5 * x)
 
     class GemmaRMSNorm(nn.Module):
         def __init__(self, dim):
@@ -316,10 +316,30 @@ def test_rejects_lookalikes():
         def forward(self, x):
             return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * (1 + self.weight)
 
-    model = nn.Sequential(GemmaRMSNorm(16), nn.Linear(16, 16), QuickGELU())
+    model = nn.Sequential(GemmaRMSNorm(16), nn.Linear(16, 16), ScaledSiLU())
     report = apply_lowmem(model, example_input=torch.randn(2, 16))
     assert [e.status for e in report.entries] == ["left alone", "left alone"]
-    assert "QuickGELU" in report.entries[1].detail or "neither" in report.entries[1].detail
+    assert "computes none of GELU (erf), GELU (tanh), SiLU, QuickGELU, Mish" in report.entries[1].detail
+
+
+def test_every_registry_activation_converts_with_its_exact_forward():
+    class QuickGELU(nn.Module):  # CLIP / OpenCLIP
+        def forward(self, x):
+            return x * torch.sigmoid(1.702 * x)
+
+    stock = nn.Sequential(nn.Linear(8, 8), QuickGELU(), nn.Linear(8, 8), nn.Mish(), nn.Linear(8, 8), nn.GELU())
+    x = torch.randn(4, 8)
+    model, report = converted(stock, x, bits=4)
+    assert [e.detail for e in report.converted] == [
+        "LowMemActivation (QuickGELU), 4-bit",
+        "LowMemActivation (Mish), 4-bit",
+        "ReGELU2 (erf), 4-bit",
+    ]
+    assert torch.equal(model.eval()(x), stock.eval()(x))
+    model.train()
+    with SavedTensorMeter(model) as meter:
+        model(x).sum().backward()
+    assert {r.dtype for r in meter.records if r.module in ("1", "3", "5")} == {torch.uint8}
 
 
 def test_hooked_modules_are_left_alone():
@@ -330,7 +350,7 @@ def test_hooked_modules_are_left_alone():
     report = apply_lowmem(model, example_input=x)
     assert "has hooks" in next(e.detail for e in report.entries if e.name == "norm_a")
     assert "has hooks" in next(e.detail for e in report.entries if e.name == "act")
-    assert type(model.up) is nn.Linear and isinstance(model.norm_b, DeferredAffineNorm)
+    assert type(model.up) is nn.Linear and isinstance(model.norm_b, MemorySharingNorm)
     model(x)
     assert seen
 
@@ -342,7 +362,7 @@ def test_failed_verification_rolls_back(monkeypatch):
     def mismatch(before, after):
         raise RuntimeError("output 0 of the converted model differs")
 
-    monkeypatch.setattr(apply_module, "_check_same", mismatch)
+    monkeypatch.setattr(apply_module, "check_same", mismatch)
     with pytest.raises(RuntimeError, match="differs"):
         apply_lowmem(model, example_input=x)
     assert repr(model) == structure and type(model.up) is nn.Linear

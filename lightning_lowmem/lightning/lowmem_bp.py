@@ -66,7 +66,7 @@ class LowMemBP(Callback):
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.report is not None and not self._printed:
-            rank_zero_info(self.report.table())
+            rank_zero_info(f"LowMemBP: model surgery at setup, probed on example_input_array\n{self.report.table()}")
             self._printed = True
 
     def _convert(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -33,8 +33,7 @@ from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, P
 from torch import nn
 
 from lightning_lowmem.lightning import LowMemPrecision
-from lightning_lowmem.memory import SavedTensorMeter
-from lightning_lowmem.memory.saved_tensors import MIB
+from lightning_lowmem.memory import MIB, SavedTensorMeter
 from lightning_lowmem.surgery import apply_lowmem
 
 BASELINE = Path(__file__).with_name("baseline.json")

@@ -1,5 +1,5 @@
 """Activation-memory measurement."""
 
-from lightning_lowmem.memory.saved_tensors import SavedStorage, SavedTensorMeter
+from lightning_lowmem.memory.saved_tensors import MIB, SavedStorage, SavedTensorMeter
 
-__all__ = ["SavedStorage", "SavedTensorMeter"]
+__all__ = ["MIB", "SavedStorage", "SavedTensorMeter"]

@@ -1,7 +1,19 @@
-"""Modules over the low-memory ops."""
+"""Modules over the low-memory ops: what model surgery installs, and what users can build by hand."""
 
-from lightning_lowmem.nn.activation import ReGELU2, ReSiLU2
-from lightning_lowmem.nn.gated import GatedMLP
-from lightning_lowmem.nn.norm import MSLayerNorm, MSRMSNorm
+from lightning_lowmem.nn.activation import LowMemActivation, ReGELU2, ReSiLU2
+from lightning_lowmem.nn.gated import GatedMLP, GatedMLPBase, TimmGluMlp
+from lightning_lowmem.nn.linear import LowMemLinear
+from lightning_lowmem.nn.norm import MemorySharingNorm, MSLayerNorm, MSRMSNorm
 
-__all__ = ["GatedMLP", "MSLayerNorm", "MSRMSNorm", "ReGELU2", "ReSiLU2"]
+__all__ = [
+    "GatedMLP",
+    "GatedMLPBase",
+    "LowMemActivation",
+    "LowMemLinear",
+    "MSLayerNorm",
+    "MSRMSNorm",
+    "MemorySharingNorm",
+    "ReGELU2",
+    "ReSiLU2",
+    "TimmGluMlp",
+]

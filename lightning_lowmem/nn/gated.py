@@ -14,30 +14,10 @@ from abc import ABC, abstractmethod
 import torch
 from torch import nn
 
-from lightning_lowmem.ops.gated import ACTIVATIONS, MODES, gated_activation
-
-
-def saves_its_input(layer: nn.Module | None) -> bool:
-    """Whether ``layer`` (an ``nn.Linear`` or a peft LoRA layer over one) saves its input tensor itself.
-
-    A frozen linear saves nothing (its input gradient needs only the weight). A peft LoRA
-    ``lora_A`` saves the very input when it trains and its dropout is the identity (peft's input
-    cast under autocast copies it instead, which ``apply_lowmem`` turns off).
-    """
-    if isinstance(layer, nn.Linear):
-        return layer.weight.requires_grad
-    base, lora_a = getattr(layer, "base_layer", None), getattr(layer, "lora_A", None)
-    if not isinstance(base, nn.Linear) or not isinstance(lora_a, nn.ModuleDict):
-        return False
-    if base.weight.requires_grad:
-        return True
-    if getattr(layer, "disable_adapters", False) or getattr(layer, "merged", False):
-        return False
-    dropout = getattr(layer, "lora_dropout", {})
-    return any(
-        name in lora_a and lora_a[name].weight.requires_grad and isinstance(dropout[name], nn.Identity)
-        for name in getattr(layer, "active_adapters", ())
-    )
+from lightning_lowmem.nn.peft import saves_its_input
+from lightning_lowmem.ops.activation_registry import get_activation
+from lightning_lowmem.ops.autocast import autocast_dtype
+from lightning_lowmem.ops.gated import MODES, gated_activation
 
 
 class GatedMLPBase(nn.Module, ABC):
@@ -49,8 +29,7 @@ class GatedMLPBase(nn.Module, ABC):
 
     def __init__(self, activation: str = "silu", mode: str = "auto") -> None:
         super().__init__()
-        if activation not in ACTIVATIONS:
-            raise ValueError(f"{type(self).__name__}: activation must be one of {ACTIVATIONS}, got {activation!r}")
+        get_activation(activation, type(self).__name__, gated=True)
         if mode not in ("auto", *MODES):
             raise ValueError(f"{type(self).__name__}: mode must be 'auto', 'gate_up' or 'gate', got {mode!r}")
         self.activation, self.mode = activation, mode
@@ -74,11 +53,11 @@ class GatedMLPBase(nn.Module, ABC):
         return "gate" if saves_its_input(self.consumer()) else "gate_up"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        device_type = x.device.type
-        if x.dtype == torch.float32 and torch.is_autocast_enabled(device_type):
+        compute = autocast_dtype(x.device.type)
+        if x.dtype == torch.float32 and compute is not None:
             # what autocast does in each projection anyway, once: gate and up (and their LoRA
             # adapters) then save one half-precision copy of x instead of one each
-            x = x.to(torch.get_autocast_dtype(device_type))
+            x = x.to(compute)
         gate, up = self.gate_and_up(x)
         return self.output(gated_activation(gate, up, self.activation, self.resolved_mode()))
 
@@ -120,3 +99,30 @@ class GatedMLP(GatedMLPBase):
 
     def consumer(self) -> nn.Module:
         return self.down_proj
+
+
+class TimmGluMlp(GatedMLPBase):
+    """timm's ``SwiGLU`` (``fc1_g``, ``fc1_x``) or ``GluMlp`` (one ``fc1`` whose halves are gate and
+    up) with the fused product; children keep their names, so state_dict keys do not change."""
+
+    def __init__(self, stock: nn.Module, activation: str, mode: str = "auto") -> None:
+        super().__init__(activation, mode)
+        self.packed = "fc1" in stock._modules
+        self.gate_last = bool(getattr(stock, "gate_last", False))
+        for name in ("fc1",) if self.packed else ("fc1_g", "fc1_x"):
+            self.add_module(name, stock._modules[name])
+        for name in ("drop1", "norm", "fc2", "drop2"):
+            self.add_module(name, stock._modules[name])
+
+    def gate_and_up(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.packed:
+            return self.fc1_g(x), self.fc1_x(x)
+        first, second = self.fc1(x).chunk(2, dim=-1)
+        return (second, first) if self.gate_last else (first, second)
+
+    def output(self, h: torch.Tensor) -> torch.Tensor:
+        return self.drop2(self.fc2(self.norm(self.drop1(h))))
+
+    def consumer(self) -> nn.Module | None:
+        passes_through = isinstance(self.drop1, nn.Identity) or getattr(self.drop1, "p", None) == 0
+        return self.fc2 if passes_through and isinstance(self.norm, nn.Identity) else None

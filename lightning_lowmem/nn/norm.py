@@ -1,8 +1,12 @@
-"""Affine-free memory-sharing norm modules over :mod:`lightning_lowmem.ops.norm`.
+"""Memory-sharing norm modules (MS-LN, MS-RMSNorm) over :mod:`lightning_lowmem.ops.norm`.
 
-They hold no parameters: a stock norm's affine ``gamma, beta`` must move to its
-consumers first (model surgery does that), so ``from_module`` refuses a norm whose
-affine would otherwise be silently dropped.
+A memory-sharing norm returns its affine-free output ``z``: that is the tensor it saves, and the
+very tensor its consumer linears save. Its affine ``gamma * z + beta`` therefore happens inside
+the consumers: the norm keeps ``weight`` / ``bias`` under their stock names (checkpoints load
+into the stock model and back) and each consumer is a
+:class:`~lightning_lowmem.nn.LowMemLinear` built with ``norm=`` this module, which applies them
+and counts itself in :attr:`consumers`. A norm with an affine but no consumer refuses to run
+rather than silently drop it. Model surgery builds exactly these modules.
 """
 
 from __future__ import annotations
@@ -15,65 +19,97 @@ from torch import nn
 from lightning_lowmem.ops.norm import ms_layer_norm, ms_rms_norm
 
 
-def _shape(normalized_shape: int | Sequence[int]) -> tuple[int, ...]:
-    return (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
-
-
-def _refuse_affine(cls: type, module: nn.Module) -> None:
-    affine = [name for name, _ in module.named_parameters(recurse=False)]
-    if affine:
-        raise ValueError(
-            f"{cls.__name__}.from_module: {type(module).__name__} has affine parameters {affine}; "
-            f"{cls.__name__} is affine-free, so they must be moved into the consumers first "
-            "(lightning_lowmem.apply_lowmem does this). Refusing to drop them silently."
-        )
-
-
-class _MemorySharingNorm(nn.Module):
-    """Shared plumbing of the two norms: shape, eps, ``from_module``, repr."""
+class MemorySharingNorm(nn.Module):
+    """Shared plumbing of the two norms: shape, eps, the deferred affine, ``from_module``, repr."""
 
     stock: type[nn.Module]
 
-    def __init__(self, normalized_shape: int | Sequence[int], eps: float | None) -> None:
+    def __init__(
+        self,
+        normalized_shape: int | Sequence[int],
+        eps: float | None,
+        weight: nn.Parameter | None = None,
+        bias: nn.Parameter | None = None,
+    ) -> None:
         super().__init__()
-        self.normalized_shape = _shape(normalized_shape)
-        self.eps = eps
+        shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+        self.normalized_shape, self.eps = shape, eps
+        self.weight, self.bias = weight, bias
+        self.consumers = 0  # LowMemLinear layers that apply the affine
 
     @classmethod
-    def from_module(cls, module: nn.Module):
-        """Build from the matching stock norm without affine parameters."""
+    def from_module(cls, module: nn.Module, defer_affine: bool = False):
+        """Build from the matching stock norm, keeping its own Parameter objects.
+
+        A norm with an affine needs ``defer_affine=True`` and then consumers that apply it
+        (``LowMemLinear.from_linear(linear, norm=new)``); otherwise it is refused.
+        """
         if not isinstance(module, cls.stock):
             raise TypeError(f"{cls.__name__}.from_module expects nn.{cls.stock.__name__}, got {type(module).__name__}")
-        _refuse_affine(cls, module)
-        return cls(module.normalized_shape, module.eps)
+        weight, bias = module._parameters.get("weight"), module._parameters.get("bias")
+        if (weight is not None or bias is not None) and not defer_affine:
+            affine = [name for name, p in (("weight", weight), ("bias", bias)) if p is not None]
+            raise ValueError(
+                f"{cls.__name__}.from_module: {type(module).__name__} has affine parameters {affine}; a memory-sharing "
+                "norm returns its affine-free output, so its consumers must apply them: pass defer_affine=True and "
+                "build each consumer with LowMemLinear.from_linear(linear, norm=...) (lightning_lowmem.apply_lowmem "
+                "does both). Refusing to drop them silently."
+            )
+        new = cls(module.normalized_shape, module.eps)
+        new.weight, new.bias = weight, bias
+        return new
+
+    def _eps(self, x: torch.Tensor) -> float:
+        return torch.finfo(x.dtype).eps if self.eps is None else self.eps
+
+    def _check_affine_is_applied(self) -> None:
+        if (self.weight is not None or self.bias is not None) and not self.consumers:
+            raise RuntimeError(
+                f"{type(self).__name__} has an affine but no LowMemLinear consumer applies it; build its consumers "
+                "with LowMemLinear.from_linear(linear, norm=this_norm)"
+            )
 
     def extra_repr(self) -> str:
-        return f"{self.normalized_shape}, eps={self.eps}, saves=output+rstd"
+        has_affine = self.weight is not None or self.bias is not None
+        affine = f", affine applied by {self.consumers} consumers" if has_affine else ""
+        return f"{self.normalized_shape}, eps={self.eps}, saves=output+rstd{affine}"
 
 
-class MSLayerNorm(_MemorySharingNorm):
-    """Affine-free LayerNorm that shares its saved output with the next linear layer."""
+class MSLayerNorm(MemorySharingNorm):
+    """LayerNorm that returns (and saves) its affine-free output, shared with the next linear layers."""
 
     stock = nn.LayerNorm
 
-    def __init__(self, normalized_shape: int | Sequence[int], eps: float = 1e-5) -> None:
-        super().__init__(normalized_shape, eps)
+    def __init__(
+        self,
+        normalized_shape: int | Sequence[int],
+        eps: float = 1e-5,
+        weight: nn.Parameter | None = None,
+        bias: nn.Parameter | None = None,
+    ) -> None:
+        super().__init__(normalized_shape, eps, weight, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ms_layer_norm(x, self.normalized_shape, self.eps)
+        self._check_affine_is_applied()
+        return ms_layer_norm(x, self.normalized_shape, self._eps(x))
 
 
-class MSRMSNorm(_MemorySharingNorm):
-    """Affine-free RMSNorm that shares its saved output with the next linear layer.
+class MSRMSNorm(MemorySharingNorm):
+    """RMSNorm that returns (and saves) its affine-free output, shared with the next linear layers.
 
     ``eps=None`` means ``torch.finfo(x.dtype).eps``, as in ``nn.RMSNorm``.
     """
 
     stock = nn.RMSNorm
 
-    def __init__(self, normalized_shape: int | Sequence[int], eps: float | None = 1e-6) -> None:
-        super().__init__(normalized_shape, eps)
+    def __init__(
+        self,
+        normalized_shape: int | Sequence[int],
+        eps: float | None = 1e-6,
+        weight: nn.Parameter | None = None,
+    ) -> None:
+        super().__init__(normalized_shape, eps, weight, None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps
-        return ms_rms_norm(x, self.normalized_shape, eps)
+        self._check_affine_is_applied()
+        return ms_rms_norm(x, self.normalized_shape, self._eps(x))

@@ -1,7 +1,16 @@
 """Autograd ops: the bottom layer, on top of the kernel backends."""
 
-from lightning_lowmem.ops.activation import regelu2, resilu2
+from lightning_lowmem.ops.activation import regelu2, resilu2, step_activation
 from lightning_lowmem.ops.gated import gated_activation
+from lightning_lowmem.ops.linear import affine_linear
 from lightning_lowmem.ops.norm import ms_layer_norm, ms_rms_norm
 
-__all__ = ["gated_activation", "ms_layer_norm", "ms_rms_norm", "regelu2", "resilu2"]
+__all__ = [
+    "affine_linear",
+    "gated_activation",
+    "ms_layer_norm",
+    "ms_rms_norm",
+    "regelu2",
+    "resilu2",
+    "step_activation",
+]

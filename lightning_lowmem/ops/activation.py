@@ -1,17 +1,20 @@
-"""ReGELU2 / ReSiLU2: exact GELU / SiLU forward, k-bit step-derivative backward.
+"""Activations with an exact forward and a k-bit step-derivative backward (ReGELU2, ReSiLU2, ...).
 
 Only a uint8 buffer of ``ceil(numel * k / 8)`` bytes is saved for backward (``k`` = 1, 2 or 4
 bits per element; 3-bit codes are stored in 4), instead of the whole input (16 or 32 bits per
-element). ``bits=2`` (the default) is the paper's method and constants.
+element). ``bits=2`` (the default) is the paper's method and constants. Any activation of
+:mod:`.activation_registry` works: GELU (erf, tanh), SiLU, QuickGELU, Mish.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
 from lightning_lowmem import kernels
 from lightning_lowmem.ops._checks import check_float_tensor, needs_graph, refuse_double_backward
-from lightning_lowmem.ops.constants import StepDerivative, step_derivative
+from lightning_lowmem.ops.activation_registry import StepDerivative, check_bits, get_activation
 
 _GELU_KINDS = {"none": "gelu", "tanh": "gelu_tanh"}
 
@@ -20,8 +23,9 @@ class StepDerivativeActivation(torch.autograd.Function):
     """Stock activation forward; backward multiplies by a step derivative of k-bit codes."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, kind: str, step: StepDerivative, name: str) -> torch.Tensor:
-        y, packed = kernels.implementation(x.device).act_forward(x, kind, step.thresholds)
+    def forward(ctx, x: torch.Tensor, stock: Callable, step: StepDerivative, name: str) -> torch.Tensor:
+        y = stock(x)
+        packed = kernels.implementation(x.device).act_codes(x, step.thresholds)
         ctx.save_for_backward(packed)
         ctx.levels = step.levels
         ctx.name = name
@@ -35,28 +39,27 @@ class StepDerivativeActivation(torch.autograd.Function):
         return grad_input, None, None, None
 
 
-def _apply(name: str, x: torch.Tensor, kind: str, step: StepDerivative) -> torch.Tensor:
-    check_float_tensor(name, x)
+def _apply(op: str, x: torch.Tensor, activation: str, bits: int) -> torch.Tensor:
+    entry = get_activation(activation, op)
+    step = entry.step_derivative(check_bits(op, bits))
+    check_float_tensor(op, x)
     if not needs_graph(x):
-        return kernels.torch_ops.stock_activation(x, kind)
-    return StepDerivativeActivation.apply(x, kind, step, name)
+        return entry.stock(x)
+    return StepDerivativeActivation.apply(x, entry.stock, step, op)
+
+
+def step_activation(x: torch.Tensor, activation: str = "gelu", bits: int = 2) -> torch.Tensor:
+    """``activation`` (a name of the registry) forward, exact, with a ``bits``-bit backward (1-4)."""
+    return _apply("step_activation", x, activation, bits)
 
 
 def regelu2(x: torch.Tensor, approximate: str = "none", bits: int = 2) -> torch.Tensor:
     """GELU forward (erf, or tanh with ``approximate="tanh"``) with a ``bits``-bit backward (1-4)."""
     if approximate not in _GELU_KINDS:
         raise ValueError(f"regelu2: approximate must be 'none' or 'tanh', got {approximate!r}")
-    kind = _GELU_KINDS[approximate]
-    return _apply("regelu2", x, kind, _step("regelu2", kind, bits))
+    return _apply("regelu2", x, _GELU_KINDS[approximate], bits)
 
 
 def resilu2(x: torch.Tensor, bits: int = 2) -> torch.Tensor:
     """SiLU forward with a ``bits``-bit backward (1-4)."""
-    return _apply("resilu2", x, "silu", _step("resilu2", "silu", bits))
-
-
-def _step(name: str, kind: str, bits: int) -> StepDerivative:
-    try:
-        return step_derivative(kind, bits)
-    except ValueError as error:
-        raise ValueError(f"{name}: {error}") from None
+    return _apply("resilu2", x, "silu", bits)

@@ -15,6 +15,7 @@ import torch
 
 from lightning_lowmem import kernels
 from lightning_lowmem.ops._checks import check_float_tensor, needs_graph, refuse_double_backward
+from lightning_lowmem.ops.autocast import autocast_dtype
 
 _AUTOCAST_INPUTS = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -39,10 +40,8 @@ class MemorySharingNorm(torch.autograd.Function):
 
 def output_dtype(x: torch.Tensor) -> torch.dtype:
     """The input dtype, or the autocast dtype when autocast is on for ``x``'s device."""
-    device_type = x.device.type
-    if x.dtype in _AUTOCAST_INPUTS and torch.is_autocast_enabled(device_type):
-        return torch.get_autocast_dtype(device_type)
-    return x.dtype
+    compute = autocast_dtype(x.device.type) if x.dtype in _AUTOCAST_INPUTS else None
+    return compute or x.dtype
 
 
 def _normalized_size(name: str, x: torch.Tensor, normalized_shape: int | Sequence[int]) -> int:

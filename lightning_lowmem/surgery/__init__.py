@@ -1,6 +1,6 @@
-"""Model surgery: find activations and norms in real models and convert them, verified."""
+"""Model surgery: find activations, gated MLPs and norms in real models and convert them, verified."""
 
-from lightning_lowmem.surgery.apply import Entry, LowMemReport, apply_lowmem
-from lightning_lowmem.surgery.modules import DeferredAffineNorm, LowMemLinear
+from lightning_lowmem.surgery.apply import apply_lowmem
+from lightning_lowmem.surgery.report import Entry, LowMemReport
 
-__all__ = ["DeferredAffineNorm", "Entry", "LowMemLinear", "LowMemReport", "apply_lowmem"]
+__all__ = ["Entry", "LowMemReport", "apply_lowmem"]

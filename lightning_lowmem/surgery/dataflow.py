@@ -25,6 +25,8 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from lightning_lowmem.nn.peft import lora_dropouts
+
 _METADATA = {
     "size", "dim", "numel", "stride", "is_contiguous", "element_size", "nelement", "is_floating_point",
     "get_device", "data_ptr", "__len__", "is_complex", "storage_offset",
@@ -71,9 +73,12 @@ def tensors_in(obj: Any) -> list[torch.Tensor]:
 
 
 class _Probe(TorchFunctionMode):
-    def __init__(self, flow: Flow, names: dict[nn.Module, str], stack: list[nn.Module], activations: set[nn.Module]):
+    def __init__(
+        self, flow: Flow, names: dict[nn.Module, str], stack: list[nn.Module], activations: set[nn.Module],
+        dropouts: set[nn.Module],
+    ) -> None:  # fmt: skip
         super().__init__()
-        self.flow, self.names, self.stack, self.activations = flow, names, stack, activations
+        self.flow, self.names, self.stack, self.activations, self.dropouts = flow, names, stack, activations, dropouts
         self.tagged: dict[int, tuple[torch.Tensor, str]] = {}
 
     def source(self, t: Any) -> str | None:
@@ -94,7 +99,7 @@ class _Probe(TorchFunctionMode):
                 continue
             if func is F.linear and args and args[0] is t and type(here) is nn.Linear and args[1] is here.weight:
                 self.flow.consumers[norm].add(where)
-            elif "lora_dropout" in where:
+            elif here in self.dropouts:
                 self.flow.block(norm, f"LoRA dropout in {where} breaks sharing")
             else:
                 self.flow.block(norm, f"output reaches {name} in {where}")
@@ -139,7 +144,7 @@ def trace(model: nn.Module, example: Any, norms: dict[str, nn.Module], activatio
     linear_inputs: dict[str, set[str | None]] = defaultdict(set)
     called: set[str] = set()
     stack: list[nn.Module] = []
-    probe = _Probe(flow, names, stack, activations)
+    probe = _Probe(flow, names, stack, activations, set(lora_dropouts(model)))
 
     def pre(module, args):
         stack.append(module)

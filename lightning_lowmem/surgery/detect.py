@@ -1,42 +1,44 @@
-"""Recognise GELU / SiLU activations, gated MLPs and LayerNorm / RMSNorm layers across torch, timm and HF.
+"""Recognise activations, gated MLPs and LayerNorm / RMSNorm layers across torch, timm and HF.
 
 Class names only nominate candidates; each candidate is then *verified* by running it on a
 test input and comparing with the reference function (for norms with randomised affine
-parameters), so a look-alike that computes something else (QuickGELU, Gemma's ``1 + weight``
-RMSNorm, a channels-first LayerNorm2d) is rejected with a reason instead of being converted.
+parameters), so a look-alike that computes something else (a sigmoid GLU, Gemma's
+``1 + weight`` RMSNorm, a channels-first LayerNorm2d) is rejected with a reason instead of
+being converted. Activations are checked against every entry of the activation registry.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 
-from lightning_lowmem.surgery.modules import fused_gated_mlp
+from lightning_lowmem.nn import GatedMLP, GatedMLPBase, TimmGluMlp
+from lightning_lowmem.ops.activation_registry import ACTIVATIONS
 
-_ACTIVATION_NAME = re.compile(r"gelu|silu|swish", re.IGNORECASE)
+_ACTIVATION_NAME = re.compile(r"gelu|silu|swish|mish", re.IGNORECASE)
 _NORM_NAME = re.compile(r"layer_?norm|rms_?norm", re.IGNORECASE)
 _EPS_ATTRS = ("eps", "variance_epsilon", "epsilon")
-_ACTIVATIONS = {"gelu": lambda x: F.gelu(x), "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "silu": F.silu}
 
 
 class NotConvertible(Exception):
     """A candidate that must stay as it is; the message is the reason shown in the report."""
 
 
+NormKind = Literal["layer", "rms"]
+
+
 @dataclass(frozen=True)
 class NormSpec:
-    """What a verified norm computes: ``kind`` is ``"layer"`` or ``"rms"``."""
+    """What a verified norm computes."""
 
-    kind: str
+    kind: NormKind
     normalized_shape: tuple[int, ...]
     eps: float | None
-    has_weight: bool
-    has_bias: bool
 
 
 def is_plain(module: nn.Module) -> bool:
@@ -57,8 +59,8 @@ def is_norm_candidate(module: nn.Module) -> bool:
     return bool(_NORM_NAME.search(type(module).__name__)) and not any(module.children())
 
 
-def activation_kind(module: nn.Module) -> str:
-    """``"gelu"``, ``"gelu_tanh"`` or ``"silu"``: which function ``module`` provably computes."""
+def activation_name(module: nn.Module) -> str:
+    """The registry name of the activation ``module`` provably computes."""
     if not is_plain(module):
         raise NotConvertible("has hooks or a patched forward (a replacement would drop them)")
     if any(True for _ in module.parameters(recurse=False)) or any(True for _ in module.buffers(recurse=False)):
@@ -71,10 +73,11 @@ def activation_kind(module: nn.Module) -> str:
         raise NotConvertible(f"probe call failed ({type(err).__name__})") from None
     if not isinstance(y, torch.Tensor) or y.shape != x.shape:
         raise NotConvertible("not an elementwise activation")
-    for kind, reference in _ACTIVATIONS.items():
-        if torch.allclose(y.double(), reference(x), rtol=0, atol=1e-9):
-            return kind
-    raise NotConvertible("computes neither GELU (erf/tanh) nor SiLU (e.g. QuickGELU)")
+    for name, entry in ACTIVATIONS.items():
+        if torch.allclose(y.double(), entry.stock(x), rtol=0, atol=1e-9):
+            return name
+    known = ", ".join(entry.label for entry in ACTIVATIONS.values())
+    raise NotConvertible(f"computes none of {known}")
 
 
 # Child names of the gated MLP layouts: Hugging Face LLaMA-family MLPs, timm SwiGLU and GluMlp.
@@ -99,28 +102,33 @@ def gated_layout(module: nn.Module) -> tuple[str, str] | None:
     return None
 
 
-def gated_mlp_kind(module: nn.Module, layout: str, act_name: str) -> str:
-    """The activation of a verified gated MLP, or :class:`NotConvertible`.
+def fused_gated_mlp(stock: nn.Module, layout: str, act_name: str) -> GatedMLPBase:
+    """The verified fused replacement of a stock gated MLP of ``layout`` (``"hf"`` or ``"timm"``), sharing
+    its children, or :class:`NotConvertible`.
 
-    The fused replacement must compute what the stock module computes on a random input (eval
-    mode, so dropout cannot differ).
+    It must compute what the stock module computes on a random input (eval mode, so dropout cannot differ).
     """
-    if not is_plain(module):
+    if not is_plain(stock):
         raise NotConvertible("has hooks or a patched forward (a replacement would drop them)")
-    kind = activation_kind(module._modules[act_name])
-    if layout == "hf" and set(module._modules) != _GATED_LAYOUTS["hf"][0]:
-        raise NotConvertible(f"extra submodules {sorted(set(module._modules) - _GATED_LAYOUTS['hf'][0])}")
-    first = module.gate_proj if layout == "hf" else module._modules.get("fc1_g", module._modules.get("fc1"))
+    activation = activation_name(stock._modules[act_name])
+    if not ACTIVATIONS[activation].gated:
+        raise NotConvertible(f"the fused product has no kernel for {ACTIVATIONS[activation].label}")
+    if layout == "hf" and set(stock._modules) != _GATED_LAYOUTS["hf"][0]:
+        raise NotConvertible(f"extra submodules {sorted(set(stock._modules) - _GATED_LAYOUTS['hf'][0])}")
+    first = stock.gate_proj if layout == "hf" else stock._modules.get("fc1_g", stock._modules.get("fc1"))
     parameter = next(first.parameters(), None)
     if parameter is None or not isinstance(getattr(first, "in_features", None), int):
         raise NotConvertible("its first projection is not a linear layer")
-    new = fused_gated_mlp(module, layout, kind)
+    if layout == "hf":
+        new = GatedMLP.from_projections(stock.gate_proj, stock.up_proj, stock.down_proj, activation)
+    else:
+        new = TimmGluMlp(stock, activation)
     x = torch.randn(2, 3, first.in_features, dtype=parameter.dtype, device=parameter.device)
-    flags = [(m, m.training) for m in module.modules()]
+    flags = [(m, m.training) for m in stock.modules()]
     try:
-        module.eval()
+        stock.eval()
         with torch.no_grad():
-            same = torch.allclose(new(x), module(x), rtol=1e-4, atol=1e-5)
+            same = torch.allclose(new(x), stock(x), rtol=1e-4, atol=1e-5)
     except Exception as err:  # noqa: BLE001 - any failure means: not the stock layout's computation
         raise NotConvertible(f"probe call failed ({type(err).__name__})") from None
     finally:
@@ -128,7 +136,7 @@ def gated_mlp_kind(module: nn.Module, layout: str, act_name: str) -> str:
             m.training = training
     if not same:
         raise NotConvertible("computes something else than act(gate) * up followed by the down projection")
-    return kind
+    return new
 
 
 def _eps(module: nn.Module) -> float | None:
@@ -166,6 +174,8 @@ def norm_spec(module: nn.Module) -> NormSpec:
         shape = weight.shape
     shape = (shape,) if isinstance(shape, int) else tuple(shape)
     eps = _eps(module)
+    if eps is not None and not eps > 0:
+        raise NotConvertible(f"eps={eps} (the memory-sharing kernels need eps > 0)")
     # float64 input, randomised affine, rows at several scales (eps matters for the small ones)
     scales = torch.logspace(-3, 2, 6, dtype=torch.float64).view(-1, *([1] * len(shape)))
     x = (torch.randn(6, *shape, dtype=torch.float64) + 0.5) * scales
@@ -184,5 +194,5 @@ def norm_spec(module: nn.Module) -> NormSpec:
             and y.shape == x.shape
             and torch.allclose(y.double(), expected, rtol=1e-4, atol=1e-5)
         ):
-            return NormSpec(kind, shape, eps, weight is not None, bias is not None)
+            return NormSpec(kind, shape, eps)
     raise NotConvertible("output differs from LayerNorm/RMSNorm over the trailing dims (e.g. 1+weight, channels-first)")

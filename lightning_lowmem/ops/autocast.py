@@ -1,0 +1,12 @@
+"""The dtype autocast computes in, the one question every low-memory op and module asks."""
+
+from __future__ import annotations
+
+import torch
+
+
+def autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The autocast dtype when autocast is on for ``device_type``, else ``None``."""
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return None

@@ -1,0 +1,73 @@
+"""The changing phases of model surgery: apply a plan all or nothing, check, measure.
+
+A replacement swaps a module object wherever it is held: in the model, and in the new
+modules of the plan (a fused gated MLP holds the stock projections, which the plan replaces
+too), so the order in which replacements are applied does not matter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_lowmem.memory import SavedTensorMeter
+from lightning_lowmem.surgery import dataflow
+
+
+class Surgery:
+    """Replacements and attribute changes done so far, undone in reverse by :meth:`rollback`."""
+
+    def __init__(self, model: nn.Module, new_modules: Iterable[nn.Module] = ()) -> None:
+        self.holders: dict[int, list[tuple[nn.Module, str]]] = {}  # id(child) -> every (parent, attribute)
+        seen: set[int] = set()
+        for root in (model, *new_modules):
+            for parent in root.modules():
+                if id(parent) in seen:
+                    continue
+                seen.add(id(parent))
+                for attr, child in parent._modules.items():
+                    if child is not None:
+                        self.holders.setdefault(id(child), []).append((parent, attr))
+        self.undo: list[tuple[object, str, object]] = []
+
+    def replace(self, old: nn.Module, new: nn.Module) -> None:
+        for parent, attr in self.holders.get(id(old), ()):
+            self.set(parent, attr, new)
+
+    def set(self, obj: object, attr: str, value: object) -> None:
+        self.undo.append((obj, attr, getattr(obj, attr)))
+        setattr(obj, attr, value)
+
+    def rollback(self) -> None:
+        for obj, attr, value in reversed(self.undo):
+            setattr(obj, attr, value)
+        self.undo.clear()
+
+
+def saved_bytes(model: nn.Module, example: Any) -> int:
+    """Bytes saved for backward by one training-mode forward on ``example`` (RNG and buffers restored)."""
+    with dataflow.isolated(model, train=True), SavedTensorMeter(model) as meter:
+        dataflow.call(model, example)
+    return meter.total_bytes
+
+
+def eval_outputs(model: nn.Module, example: Any) -> list[torch.Tensor]:
+    """The tensors of one eval-mode forward on ``example``, detached, in fp32."""
+    with dataflow.isolated(model, train=False):
+        return [t.detach().float() for t in dataflow.tensors_in(dataflow.call(model, example))]
+
+
+def check_same(before: list[torch.Tensor], after: list[torch.Tensor]) -> None:
+    """Raise unless the converted model's outputs equal the stock model's (within rounding)."""
+    half = torch.is_autocast_enabled("cpu") or (torch.cuda.is_available() and torch.is_autocast_enabled("cuda"))
+    tolerance = 5e-2 if half else 1e-4
+    if len(before) != len(after):
+        raise RuntimeError(f"the converted model returns {len(after)} tensors instead of {len(before)}")
+    for i, (a, b) in enumerate(zip(before, after)):
+        scale = max(a.abs().max().item() if a.numel() else 0.0, 1.0)
+        if a.shape != b.shape or not torch.allclose(a, b, rtol=tolerance, atol=tolerance * scale):
+            diff = (a - b).abs().max().item() if a.shape == b.shape else "shape"
+            raise RuntimeError(f"output {i} of the converted model differs from the stock model (max diff {diff})")

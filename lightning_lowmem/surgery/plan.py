@@ -1,0 +1,230 @@
+"""The deciding phases of model surgery: options -> candidates -> (data flow) -> plan.
+
+Nothing here changes the model. :func:`nominate` finds and verifies candidates (gated MLPs
+first, so the activations inside the ones that fuse are theirs); :func:`trace_norms` proves
+where each norm's output goes; :func:`make_plan` builds every replacement module and the
+report entries. :mod:`.convert` then applies the plan, all or nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
+from typing import Any
+
+from torch import nn
+
+from lightning_lowmem.nn import GatedMLPBase, LowMemActivation, LowMemLinear, MemorySharingNorm, MSLayerNorm, MSRMSNorm
+from lightning_lowmem.ops.activation_registry import check_bits
+from lightning_lowmem.surgery import dataflow
+from lightning_lowmem.surgery.detect import (
+    NormSpec,
+    NotConvertible,
+    activation_name,
+    fused_gated_mlp,
+    gated_layout,
+    is_activation_candidate,
+    is_norm_candidate,
+    is_plain,
+    norm_spec,
+)
+from lightning_lowmem.surgery.report import Entry, EntryKind
+
+_CONVERTED: dict[type[nn.Module], EntryKind] = {
+    LowMemActivation: "activation",
+    GatedMLPBase: "gated MLP",
+    MemorySharingNorm: "norm",
+}
+_GATED_NAMES = {"silu": "SwiGLU", "gelu": "GeGLU", "gelu_tanh": "GeGLU (tanh)"}
+
+
+def _enabled(option: Any, name: str) -> bool:
+    if option in ("auto", True):
+        return True
+    if option in (False, None, "off"):
+        return False
+    raise ValueError(f"apply_lowmem: {name} must be 'auto', True, False or 'off', got {option!r}")
+
+
+def _patterns(option: str | Sequence[str] | None) -> tuple[str, ...]:
+    return (option,) if isinstance(option, str) else tuple(option or ())
+
+
+@dataclass(frozen=True)
+class Options:
+    """The validated options of :func:`~lightning_lowmem.apply_lowmem`."""
+
+    activation: bool = True
+    norm: bool = True
+    linear: bool = True
+    gated: bool = True
+    include: tuple[str, ...] = ()
+    exclude: tuple[str, ...] = ()
+    bits: int = 2
+
+    @classmethod
+    def parse(
+        cls,
+        model: nn.Module,
+        activation: str | bool,
+        norm: str | bool,
+        linear: str | bool,
+        gated: str | bool,
+        include: str | Sequence[str] | None,
+        exclude: str | Sequence[str] | None,
+        bits: int,
+    ) -> Options:
+        """Validate every option up front: a typo fails before anything runs."""
+        options = cls(
+            _enabled(activation, "activation"), _enabled(norm, "norm"), _enabled(linear, "linear"),
+            _enabled(gated, "gated"), _patterns(include), _patterns(exclude), check_bits("apply_lowmem", bits),
+        )  # fmt: skip
+        names = [name for name, _ in model.named_modules()]
+        for pattern in options.include + options.exclude:
+            if not any(fnmatchcase(name, pattern) for name in names):
+                raise ValueError(f"apply_lowmem: pattern {pattern!r} matches no module of {type(model).__name__}")
+        return options
+
+    def excluded(self, name: str) -> bool:
+        return any(fnmatchcase(name, p) for p in self.exclude)
+
+    def selected(self, name: str) -> bool:
+        return (not self.include or any(fnmatchcase(name, p) for p in self.include)) and not self.excluded(name)
+
+
+@dataclass
+class Candidates:
+    """Verified candidates by module name, and the entries of those already decided."""
+
+    activations: dict[str, str] = field(default_factory=dict)  # -> activation registry name
+    norms: dict[str, NormSpec] = field(default_factory=dict)
+    gated: dict[str, GatedMLPBase] = field(default_factory=dict)  # -> its verified fused replacement
+    entries: dict[str, Entry] = field(default_factory=dict)
+
+
+def _already_converted(name: str, module: nn.Module) -> Entry | None:
+    for cls, kind in _CONVERTED.items():
+        if isinstance(module, cls):
+            return Entry(name, kind, type(module).__name__, "already converted", "")
+    return None
+
+
+def nominate(model: nn.Module, options: Options) -> Candidates:
+    """Find and verify every candidate module; left-alone ones get their reason."""
+    found = Candidates()
+    named = dict(model.named_modules())
+    fused_activations: set[str] = set()
+    for name, module in named.items():
+        layout = gated_layout(module) if options.gated and options.selected(name) else None
+        if layout is None:
+            continue
+        try:
+            found.gated[name] = fused_gated_mlp(module, *layout)
+            fused_activations.add(f"{name}.{layout[1]}")
+        except NotConvertible as err:
+            found.entries[name] = Entry(name, "gated MLP", type(module).__name__, "left alone", str(err))
+    for name, module in named.items():
+        done = _already_converted(name, module)
+        if done is not None:
+            found.entries[name] = done
+        elif name in fused_activations or not options.selected(name):
+            continue
+        elif options.activation and is_activation_candidate(module):
+            try:
+                found.activations[name] = activation_name(module)
+            except NotConvertible as err:
+                found.entries[name] = Entry(name, "activation", type(module).__name__, "left alone", str(err))
+        elif options.norm and is_norm_candidate(module):
+            try:
+                found.norms[name] = norm_spec(module)
+            except NotConvertible as err:
+                found.entries[name] = Entry(name, "norm", type(module).__name__, "left alone", str(err))
+    return found
+
+
+def trace_norms(model: nn.Module, example: Any, found: Candidates, options: Options) -> dataflow.Flow:
+    """Which norms provably feed only linear layers that may take over their affine."""
+    named = dict(model.named_modules())
+    if example is None:
+        flow = dataflow.Flow()
+        for name in found.norms:
+            flow.block(name, "no example input to trace its data flow (set example_input_array)")
+        return flow
+    activations = {m for m in named.values() if is_activation_candidate(m) or isinstance(m, tuple(_CONVERTED))}
+    try:
+        flow = dataflow.trace(model, example, {n: named[n] for n in found.norms}, activations)
+    except Exception as err:
+        raise RuntimeError(
+            f"apply_lowmem: {type(model).__name__} cannot run the example input ({type(err).__name__}: {err}); "
+            "nothing was changed"
+        ) from err
+    for name, consumers in flow.consumers.items():
+        excluded = sorted(c for c in consumers if options.excluded(c))
+        if excluded:
+            flow.block(name, f"consumer {excluded[0]} is excluded")
+        hooked = sorted(c for c in consumers if not is_plain(named[c]))
+        if hooked:
+            flow.block(name, f"consumer {hooked[0]} has hooks or a patched forward")
+    return flow
+
+
+@dataclass
+class Plan:
+    """Every replacement (old module -> new module), and the report entries."""
+
+    replacements: dict[nn.Module, nn.Module] = field(default_factory=dict)
+    entries: list[Entry] = field(default_factory=list)
+    linears: int = 0
+
+
+def _norm_detail(name: str, spec: NormSpec, consumers: list[str]) -> str:
+    """E.g. ``MS-LN, affine applied by attn.qkv`` (consumer names relative to the norm's parent)."""
+    kind = "MS-LN" if spec.kind == "layer" else "MS-RMSNorm"
+    parent = name.rpartition(".")[0] + "." if "." in name else ""
+    return f"{kind}, affine applied by {', '.join(c.removeprefix(parent) for c in consumers)}"
+
+
+def _gated_detail(new: GatedMLPBase) -> str:
+    """E.g. ``SwiGLU fused, saves gate (+ the product its down projection saves)``."""
+    saves = "gate (+ the product its down projection saves)" if new.resolved_mode() == "gate" else "gate and up"
+    return f"{_GATED_NAMES[new.activation]} fused, saves {saves}"
+
+
+def make_plan(model: nn.Module, found: Candidates, flow: dataflow.Flow, options: Options) -> Plan:
+    """Build the replacement of every candidate that passed, and the entries of all of them."""
+    plan = Plan(entries=list(found.entries.values()))
+    named = dict(model.named_modules())
+
+    def replace(name: str, kind: EntryKind, new: nn.Module, detail: str) -> None:
+        plan.replacements[named[name]] = new
+        plan.entries.append(Entry(name, kind, type(named[name]).__name__, "converted", detail))
+
+    for name, fused in found.gated.items():
+        replace(name, "gated MLP", fused, _gated_detail(fused))
+    for name, activation in found.activations.items():
+        new = LowMemActivation.create(activation, options.bits)
+        replace(name, "activation", new, new.label)
+    norm_of: dict[str, MemorySharingNorm] = {}  # consumer linear name -> its norm
+    for name, spec in found.norms.items():
+        stock = named[name]
+        if name in flow.blocked:
+            plan.entries.append(Entry(name, "norm", type(stock).__name__, "left alone", flow.blocked[name]))
+            continue
+        cls = MSLayerNorm if spec.kind == "layer" else MSRMSNorm
+        new = cls(spec.normalized_shape, spec.eps)
+        new.weight, new.bias = stock._parameters.get("weight"), stock._parameters.get("bias")
+        consumers = sorted(flow.consumers[name])
+        norm_of.update(dict.fromkeys(consumers, new))
+        replace(name, "norm", new, _norm_detail(name, spec, consumers))
+    for name, module in named.items():
+        recast = options.linear and options.selected(name) and is_plain(module)
+        if type(module) is nn.Linear and (name in norm_of or recast):
+            plan.replacements[module] = LowMemLinear.from_linear(module, norm=norm_of.get(name))
+            plan.linears += 1
+    for where, ops in flow.functional.items():
+        was = "F." + "/F.".join(sorted(ops))
+        plan.entries.append(Entry(where, "functional", was, "left alone", "functional call inside forward"))
+    order = {name: i for i, name in enumerate(named)}
+    plan.entries.sort(key=lambda e: (order.get(e.name, len(order)), e.kind))
+    return plan
