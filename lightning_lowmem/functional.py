@@ -1,21 +1,6 @@
-"""Functional API: the low-memory autograd ops."""
+"""Functional API: the low-memory autograd ops of :mod:`lightning_lowmem.ops`."""
 
-from lightning_lowmem.ops import (
-    affine_linear,
-    gated_activation,
-    ms_layer_norm,
-    ms_rms_norm,
-    regelu2,
-    resilu2,
-    step_activation,
-)
+from lightning_lowmem import ops
+from lightning_lowmem.ops import *  # the same names, under the public module
 
-__all__ = [
-    "affine_linear",
-    "gated_activation",
-    "ms_layer_norm",
-    "ms_rms_norm",
-    "regelu2",
-    "resilu2",
-    "step_activation",
-]
+__all__ = ops.__all__

@@ -6,7 +6,9 @@ import json
 import textwrap
 
 import pytest
+import torch
 
+from lightning_lowmem import apply_lowmem
 from lightning_lowmem.memcheck import BASELINE, Case, check, compare, load_baseline, measure
 from lightning_lowmem.memcheck.__main__ import main
 from lightning_lowmem.memcheck.cases import CASES, llama
@@ -79,7 +81,10 @@ def test_user_wiring_from_the_command_line(tmp_path, monkeypatch, capsys):
 
 def test_measure_matches_the_report_of_apply_lowmem():
     case = Case("toy", _toy, "32-true", lowmem=True)
-    assert measure(case) == 8 * 16 * 4 + 8 * 32 // 4 + 8 * 32 * 4  # input, 2-bit codes, fc2 input
+    torch.manual_seed(0)
+    model, example = _toy()
+    report = apply_lowmem(model, example_input=example)
+    assert measure(case) == report.saved_bytes_after == 8 * 16 * 4 + 8 * 32 // 4 + 8 * 32 * 4  # input, codes, fc2 in
 
 
 def _toy():

@@ -6,7 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_lowmem.nn import MSLayerNorm, MSRMSNorm, ReGELU2, ReSiLU2
+from lightning_lowmem.memory import SavedTensorMeter
+from lightning_lowmem.nn import LowMemActivation, LowMemLinear, MSLayerNorm, MSRMSNorm, ReGELU2, ReSiLU2
 
 
 @pytest.mark.parametrize("stock", [nn.GELU(), nn.GELU(approximate="tanh"), nn.SiLU(), nn.SiLU(inplace=True)])
@@ -53,6 +54,10 @@ def test_from_module_rejects_other_modules(cls):
 def test_extra_repr_is_readable():
     assert repr(ReGELU2("tanh")) == "ReGELU2(approximate='tanh', backward=2-bit)"
     assert repr(ReSiLU2()) == "ReSiLU2(backward=2-bit)"
+    assert (
+        repr(LowMemActivation("mish", bits=3))
+        == "LowMemActivation(activation='mish', backward=3-bit (stored in 4 bits))"
+    )
     assert repr(MSLayerNorm(768)) == "MSLayerNorm((768,), eps=1e-05, saves=output+rstd)"
     assert repr(MSRMSNorm((4, 8), eps=None)) == "MSRMSNorm((4, 8), eps=None, saves=output+rstd)"
 
@@ -60,3 +65,40 @@ def test_extra_repr_is_readable():
 def test_regelu2_rejects_unknown_approximation():
     with pytest.raises(ValueError, match="approximate must be"):
         ReGELU2("fast")
+
+
+@pytest.mark.parametrize("stock, cls", [(nn.LayerNorm(12), MSLayerNorm), (nn.RMSNorm(12), MSRMSNorm)])
+def test_hand_built_norm_and_consumers_equal_the_stock_pair_and_share_one_tensor(stock, cls):
+    """What apply_lowmem installs, built by hand: the norm keeps its Parameters, the consumers apply them."""
+    with torch.no_grad():
+        stock.weight.normal_()
+        if getattr(stock, "bias", None) is not None:
+            stock.bias.normal_()
+    q, v = nn.Linear(12, 6), nn.Linear(12, 6)
+    norm = cls.from_module(stock, defer_affine=True)
+    q2, v2 = LowMemLinear.from_linear(q, norm=norm), LowMemLinear.from_linear(v, norm=norm)
+    assert norm.weight is stock.weight and norm.consumers == 2 and "applied by 2 consumers" in repr(norm)
+    x = torch.randn(3, 5, 12, requires_grad=True)
+    h = stock(x)
+    expected = q(h) * v(h)
+    with SavedTensorMeter(norm) as meter:
+        z = norm(x)
+        out = q2(z) * v2(z)
+    torch.testing.assert_close(out, expected)
+    saved_12 = [r for r in meter.records if r.shape == (3, 5, 12)]
+    assert len(saved_12) == 1  # z: saved by the norm and both consumers, one storage
+    grads = torch.autograd.grad(out.sum(), [x, stock.weight])
+    torch.testing.assert_close(grads, torch.autograd.grad(expected.sum(), [x, stock.weight]))
+
+
+def test_norm_with_an_affine_but_no_consumer_refuses_to_run():
+    norm = MSLayerNorm.from_module(nn.LayerNorm(8), defer_affine=True)
+    with pytest.raises(RuntimeError, match="no LowMemLinear consumer applies it"):
+        norm(torch.randn(2, 8))
+
+
+@pytest.mark.parametrize("name", ["gelu", "gelu_tanh", "silu", "quick_gelu", "mish"])
+def test_create_picks_the_public_class(name):
+    module = LowMemActivation.create(name, bits=1)
+    expected = {"gelu": ReGELU2, "gelu_tanh": ReGELU2, "silu": ReSiLU2}.get(name, LowMemActivation)
+    assert type(module) is expected and module.activation == name and module.bits == 1

@@ -17,30 +17,24 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from lightning_lowmem.ops.activation_registry import ACTIVATIONS as REGISTRY
 from lightning_lowmem.ops.activation_registry import StepDerivative, check_bits
 
 Activation = Callable[[np.ndarray], np.ndarray]
 
 
-def _erf(x: np.ndarray) -> np.ndarray:
-    from scipy.special import erf
+def _on_tensors(fn: Callable[[torch.Tensor], torch.Tensor]) -> Activation:
+    """A torch activation as a function of float64 numpy arrays."""
 
-    return erf(x)
+    def on_arrays(x: np.ndarray) -> np.ndarray:
+        with torch.no_grad():
+            return fn(torch.from_numpy(x)).double().numpy()
 
-
-def _sigmoid(x: np.ndarray) -> np.ndarray:
-    from scipy.special import expit
-
-    return expit(x)
+    return on_arrays
 
 
-ACTIVATIONS: dict[str, Activation] = {
-    "gelu": lambda x: 0.5 * x * (1.0 + _erf(x / math.sqrt(2.0))),
-    "gelu_tanh": lambda x: 0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x**3))),
-    "silu": lambda x: x * _sigmoid(x),
-    "quick_gelu": lambda x: x * _sigmoid(1.702 * x),
-    "mish": lambda x: x * np.tanh(np.logaddexp(0.0, x)),
-}
+# The registry's exact forwards, in float64.
+ACTIVATIONS: dict[str, Activation] = {name: _on_tensors(entry.stock) for name, entry in REGISTRY.items()}
 
 # The paper's integration windows (appendix E, tails bounded by 1e-8); others are found numerically.
 PAPER_WINDOWS = {"gelu": math.sqrt(-2.0 * math.log(1e-8)), "silu": -2.0 * math.log(1e-8 / 2.0)}
@@ -57,10 +51,7 @@ def _numpy_activation(owner: str, fn: str | Callable) -> Activation:
     if not callable(fn):
         raise TypeError(f"{owner}: fn must be an activation name or a callable, got {type(fn).__name__}")
 
-    def on_tensors(x: np.ndarray) -> np.ndarray:
-        with torch.no_grad():
-            return fn(torch.from_numpy(x)).double().numpy()
-
+    on_tensors = _on_tensors(fn)
     probe = np.linspace(-1.0, 1.0, 5)
     for candidate in (fn, on_tensors):
         try:

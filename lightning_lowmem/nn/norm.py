@@ -11,7 +11,7 @@ rather than silently drop it. Model surgery builds exactly these modules.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -22,7 +22,8 @@ from lightning_lowmem.ops.norm import ms_layer_norm, ms_rms_norm
 class MemorySharingNorm(nn.Module):
     """Shared plumbing of the two norms: shape, eps, the deferred affine, ``from_module``, repr."""
 
-    stock: type[nn.Module]
+    stock: type[nn.Module]  # the torch module ``from_module`` takes
+    op: Callable[..., torch.Tensor]  # the functional op
 
     def __init__(
         self,
@@ -59,15 +60,14 @@ class MemorySharingNorm(nn.Module):
         new.weight, new.bias = weight, bias
         return new
 
-    def _eps(self, x: torch.Tensor) -> float:
-        return torch.finfo(x.dtype).eps if self.eps is None else self.eps
-
-    def _check_affine_is_applied(self) -> None:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (self.weight is not None or self.bias is not None) and not self.consumers:
             raise RuntimeError(
                 f"{type(self).__name__} has an affine but no LowMemLinear consumer applies it; build its consumers "
                 "with LowMemLinear.from_linear(linear, norm=this_norm)"
             )
+        eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps
+        return self.op(x, self.normalized_shape, eps)
 
     def extra_repr(self) -> str:
         has_affine = self.weight is not None or self.bias is not None
@@ -79,6 +79,7 @@ class MSLayerNorm(MemorySharingNorm):
     """LayerNorm that returns (and saves) its affine-free output, shared with the next linear layers."""
 
     stock = nn.LayerNorm
+    op = staticmethod(ms_layer_norm)
 
     def __init__(
         self,
@@ -89,10 +90,6 @@ class MSLayerNorm(MemorySharingNorm):
     ) -> None:
         super().__init__(normalized_shape, eps, weight, bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self._check_affine_is_applied()
-        return ms_layer_norm(x, self.normalized_shape, self._eps(x))
-
 
 class MSRMSNorm(MemorySharingNorm):
     """RMSNorm that returns (and saves) its affine-free output, shared with the next linear layers.
@@ -101,15 +98,9 @@ class MSRMSNorm(MemorySharingNorm):
     """
 
     stock = nn.RMSNorm
+    op = staticmethod(ms_rms_norm)
 
     def __init__(
-        self,
-        normalized_shape: int | Sequence[int],
-        eps: float | None = 1e-6,
-        weight: nn.Parameter | None = None,
+        self, normalized_shape: int | Sequence[int], eps: float | None = 1e-6, weight: nn.Parameter | None = None
     ) -> None:
         super().__init__(normalized_shape, eps, weight, None)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self._check_affine_is_applied()
-        return ms_rms_norm(x, self.normalized_shape, self._eps(x))
