@@ -1,8 +1,9 @@
-"""PeakMemoryMonitor in real Trainer.fit runs on CPU: loggers, summary, budget."""
+"""PeakMemoryMonitor in real Trainer.fit runs on CPU: loggers, summary, budget, pictures."""
 
 from __future__ import annotations
 
 import csv
+import io
 import json
 import os
 import subprocess
@@ -18,12 +19,15 @@ from lightning_utilities.core.imports import RequirementCache
 from torch import nn
 
 from lightning_lowmem import PeakMemoryMonitor
-from lightning_lowmem.lightning import LowMemBP, LowMemPrecision, MemoryBudgetExceeded
+from lightning_lowmem.lightning import LowMemBP, LowMemPrecision, MemoryBudgetExceeded, plots
+from lightning_lowmem.lightning.monitor import _stock_activation
 from lightning_lowmem.memory import SavedTensorMeter
 from lightning_lowmem.memory.saved_tensors import MIB
+from lightning_lowmem.surgery import LowMemReport
 
 BATCH = torch.randn(8, 32)
 REPO = str(Path(__file__).resolve().parents[1])
+needs_matplotlib = pytest.mark.skipif(not plots.MATPLOTLIB_AVAILABLE, reason="needs matplotlib")
 
 
 class MLP(pl.LightningModule):
@@ -88,21 +92,24 @@ def test_figures_reach_csv_callback_metrics_and_the_summary(tmp_path):
     assert "net.0" in summary["modules_first_epoch_mib"]
 
 
+@needs_matplotlib
 @pytest.mark.skipif(not RequirementCache("tensorboard"), reason="needs tensorboard")
-def test_figures_reach_tensorboard(tmp_path):
+def test_figures_and_pictures_reach_tensorboard(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     tb_logger = TensorBoardLogger(tmp_path, name="tb")
-    fit(tmp_path, PeakMemoryMonitor(activation_every_n_steps=1, validation=True), logger=tb_logger)
+    fit(tmp_path, PeakMemoryMonitor(activation_every_n_steps=1, validation=True, plot=True), logger=tb_logger)
     events = EventAccumulator(tb_logger.log_dir)
     events.Reload()
     assert set(NAMES) <= set(events.Tags()["scalars"])
+    assert [image.step for image in events.Images("peak_memory")] == [3, 6]  # after each epoch
+    assert len(events.Images("peak_memory/modules")) == 1  # after the first
 
 
-@pytest.mark.skipif(not RequirementCache("matplotlib"), reason="needs matplotlib")
-def test_plot_per_epoch(tmp_path):
-    fit(tmp_path, PeakMemoryMonitor(plot=True), logger=False)
-    assert (tmp_path / "peak_memory.png").stat().st_size > 0
+def test_plot_without_matplotlib_is_refused(monkeypatch):
+    monkeypatch.setattr(plots, "MATPLOTLIB_AVAILABLE", RequirementCache("matplotlib>=999"))
+    with pytest.raises(ModuleNotFoundError, match=r"plot=True\) draws with matplotlib.*matplotlib>=999"):
+        PeakMemoryMonitor(plot=True)
 
 
 def test_exceeding_a_budget_fails_the_run_naming_metric_budget_and_value(tmp_path):
@@ -121,6 +128,34 @@ def test_sampling_off_logs_no_activation(tmp_path):
     assert "peak_memory/train_cpu_rss_mib" in trainer.callback_metrics
 
 
+def test_trainer_validate_logs_validation_figures(tmp_path):
+    trainer = pl.Trainer(
+        accelerator="cpu", default_root_dir=tmp_path, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, callbacks=[PeakMemoryMonitor(validation=True)],
+    )  # fmt: skip
+    trainer.validate(MLP())
+    assert trainer.callback_metrics["peak_memory/val_cpu_rss_mib"] > 0
+
+
+class SpikeInTraining(MLP):
+    """Touches 256 MiB in its last training step and frees it: a peak validation must not erase."""
+
+    def training_step(self, batch, batch_idx):
+        if batch_idx == 2:
+            torch.ones(64 << 20).sum()
+        return super().training_step(batch, batch_idx)
+
+
+def test_the_training_peak_before_validation_counts(tmp_path):
+    monitor = PeakMemoryMonitor(validation=True)
+    pl.Trainer(
+        accelerator="cpu", max_epochs=1, default_root_dir=tmp_path, logger=False, callbacks=[monitor],
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    ).fit(SpikeInTraining())  # fmt: skip
+    figures = monitor.history[0]
+    assert figures["train"]["cpu_rss"] > figures["val"]["cpu_rss"] + 200
+
+
 def test_bad_arguments_are_refused():
     with pytest.raises(MisconfigurationException, match="unknown budget 'vram'"):
         PeakMemoryMonitor(budget_mib={"vram": 10})
@@ -131,28 +166,39 @@ def test_bad_arguments_are_refused():
 
 
 class PreNormMLP(pl.LightningModule):
-    """Two pre-norm MLP blocks on a residual stream, with an example input for LowMemBP's probe."""
+    """Two pre-norm MLP blocks on a residual stream, with an example input for LowMemBP's probe.
 
-    def __init__(self) -> None:
+    With ``final_norm`` the output goes through a LayerNorm that LowMemBP must leave alone (its
+    output is the model's output, not a linear's input).
+    """
+
+    def __init__(self, final_norm: bool = False) -> None:
         super().__init__()
         self.blocks = nn.ModuleList(
             nn.Sequential(nn.LayerNorm(64), nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64)) for _ in range(2)
         )
+        self.norm = nn.LayerNorm(64) if final_norm else nn.Identity()
         self.example_input_array = torch.randn(4, 16, 64)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
             x = x + block(x)
-        return x
+        return self.norm(x)
 
     def training_step(self, batch, batch_idx):
         return self(batch).float().pow(2).mean()
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self.training_step(batch, batch_idx))
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.01)
 
     def train_dataloader(self):
         return torch.utils.data.DataLoader(torch.randn(8, 16, 64), batch_size=4)
+
+    def val_dataloader(self):
+        return torch.utils.data.DataLoader(torch.randn(4, 16, 64), batch_size=4)
 
 
 def test_lowmem_bp_and_precision_show_in_the_logged_activation(tmp_path):
@@ -170,8 +216,154 @@ def test_lowmem_bp_and_precision_show_in_the_logged_activation(tmp_path):
     assert logged["lowmem"] < 0.6 * logged["stock"], logged
 
 
+def png(figure) -> bytes:
+    buffer = io.BytesIO()
+    figure.savefig(buffer, dpi=100)
+    return buffer.getvalue()
+
+
+def in_view(ax) -> list[float]:
+    low, high = ax.get_xlim()
+    return [tick for tick in ax.get_xticks() if low <= tick <= high]
+
+
+@pytest.fixture(scope="module")
+def lowmem_run(tmp_path_factory) -> tuple[Path, dict]:
+    """LowMemBP + PeakMemoryMonitor(plot=True) over 2 epochs in fp32: the pictures and the JSON they came from."""
+    root = tmp_path_factory.mktemp("lowmem_run")
+    monitor = PeakMemoryMonitor(activation_every_n_steps=1, validation=True, budget_mib={"activation": 0.5}, plot=True)
+    pl.Trainer(
+        accelerator="cpu", max_epochs=2, default_root_dir=root, logger=False, callbacks=[LowMemBP(), monitor],
+        plugins=[LowMemPrecision("32-true")], enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False,
+    ).fit(PreNormMLP(final_norm=True))  # fmt: skip
+    return root, json.loads((root / "peak_memory.json").read_text())
+
+
+@needs_matplotlib
+def test_peak_memory_png_panels_budget_and_stock_reference(lowmem_run):
+    root, summary = lowmem_run
+    figure = plots.epoch_figure(summary)
+    assert (root / "peak_memory.png").read_bytes() == png(figure)  # the picture is the JSON, drawn
+
+    activation, rss = figure.axes  # one panel per kind of memory (no CUDA here)
+    assert [activation.get_title(), rss.get_title()] == [
+        "Activations (saved for backward)",
+        "Host memory (process RSS)",
+    ]
+    for ax in figure.axes:
+        assert (ax.get_xlabel(), ax.get_ylabel()) == ("epoch", "peak MiB")
+        assert in_view(ax) == [0, 1]  # integer epochs only
+    assert "precision 32-true" in figure.get_suptitle()
+
+    lines = {line.get_label(): line for line in activation.get_lines()}
+    assert list(lines["train activations"].get_ydata()) == [row["train"]["activation"] for row in summary["epochs"]]
+    assert lines["budget 0.5 MiB"].get_ydata()[0] == 0.5
+    stock = summary["lowmem"]["stock_activation_mib"]
+    assert lines["stock model (estimated)"].get_ydata()[0] == stock
+    saving = 100 * (1 - summary["epochs"][0]["train"]["activation"] / stock)
+    assert activation.texts[0].get_text() == f"stock model ≈ {stock:.2f} MiB: LowMemBP saves {saving:.1f}%"
+
+    rss_lines = {line.get_label(): line for line in rss.get_lines()}
+    assert rss_lines["train RSS"].get_linestyle() == "-" and rss_lines["val RSS"].get_linestyle() == "--"
+    assert list(rss_lines["val RSS"].get_ydata()) == [row["val"]["cpu_rss"] for row in summary["epochs"]]
+
+
+@needs_matplotlib
+def test_a_budget_far_above_the_figures_does_not_flatten_them(lowmem_run):
+    _, summary = lowmem_run
+    summary["budget_mib"]["activation"] = 1000
+    activation = plots.epoch_figure(summary).axes[0]
+    budget = next(line for line in activation.get_lines() if line.get_label().startswith("budget"))
+    assert budget.get_label() == "budget 1000 MiB (off the scale)" and len(budget.get_ydata()) == 0
+    assert activation.get_ylim()[1] < 1  # the figures (about 0.2 MiB, stock 0.35 MiB) fill the panel
+
+
+def test_the_stock_reference_is_the_stock_model_measured_at_this_batch(lowmem_run):
+    _, summary = lowmem_run
+    model = PreNormMLP(final_norm=True)
+    with SavedTensorMeter(model) as meter:
+        model.training_step(torch.randn(4, 16, 64), 0)
+    # the estimate scales what LowMemBP measured on the example input; the loss's tensors are not in it
+    assert summary["lowmem"]["stock_activation_mib"] == pytest.approx(meter.peak_bytes / MIB, rel=0.03)
+
+
+def test_no_stock_estimate_under_mixed_precision_without_the_weight_copies():
+    """Autocast's weight copies do not grow with the batch: without them apart, no estimate."""
+    report = LowMemReport(saved_bytes_before=100 * int(MIB), saved_bytes_after=60 * int(MIB))
+    assert _stock_activation(report, 120.0, "32-true") == pytest.approx(200.0)
+    assert _stock_activation(report, 120.0, "bf16-mixed") is None
+    report.weight_copy_bytes_before, report.weight_copy_bytes_after = 40 * int(MIB), 0
+    assert _stock_activation(report, 120.0, "bf16-mixed") == pytest.approx(60 * 2 + 40)
+
+
+@needs_matplotlib
+def test_without_a_stock_estimate_the_png_states_the_saving_at_conversion(lowmem_run):
+    _, summary = lowmem_run
+    del summary["lowmem"]["stock_activation_mib"]
+    activation = plots.epoch_figure(summary).axes[0]
+    lowmem = summary["lowmem"]
+    assert "stock model (estimated)" not in [line.get_label() for line in activation.get_lines()]
+    assert activation.texts[0].get_text() == (
+        f"LowMemBP at conversion (example input):\n{lowmem['saved_mib_before']:.2f} → "
+        f"{lowmem['saved_mib_after']:.2f} MiB, saves {100 * lowmem['reduction']:.1f}%"
+    )
+
+
+@needs_matplotlib
+def test_module_png_shows_where_memory_goes_and_what_lowmem_did(lowmem_run):
+    root, summary = lowmem_run
+    figure = plots.module_figure(summary, top=15)
+    assert (root / "peak_memory_modules.png").read_bytes() == png(figure)
+
+    (ax,) = figure.axes
+    labels = [tick.get_text() for tick in ax.get_yticklabels()]
+    assert {"blocks.*.3 ×2", "blocks.*.2 ×2", "norm"} <= set(labels)  # repeated blocks summed
+    lowmem = summary["lowmem"]
+    sources = {
+        "this run": summary["modules_first_epoch_mib"],
+        "stock model": lowmem.get("saved_by_module_before_mib"),
+        "with LowMemBP": lowmem.get("saved_by_module_after_mib"),
+    }
+    for bars in ax.containers:
+        by_module = sources[bars.get_label().split(":")[0]]
+        widths = dict(zip(labels, (bar.get_width() for bar in bars)))
+        assert widths["blocks.*.3 ×2"] == pytest.approx(by_module["blocks.0.3"] + by_module["blocks.1.3"])
+        assert widths["norm"] == pytest.approx(by_module["norm"])
+    notes = {labels[round(text.get_position()[1])]: text.get_text() for text in ax.texts}
+    assert notes["blocks.*.0"] == "→ MS-LN"  # block 0's norm saves nothing: its input needs no gradient
+    assert notes["blocks.*.2 ×2"] == "→ ReGELU2 (erf)"
+    assert notes["norm"] == "left alone: output is returned from the model"
+    assert ax.get_xlabel() == "MiB saved for backward"
+    assert figure.get_suptitle().startswith("Where activation memory goes")
+
+
+@needs_matplotlib
+def test_module_picture_compares_stock_and_converted_top_n():
+    blocks = {f"model.blocks.{i}.{part}": mib for i in range(3) for part, mib in (("attn", 2.0), ("act", 1.0))}
+    summary = {
+        "modules_first_epoch_mib": {},
+        "lowmem": {
+            "saved_by_module_before_mib": {**blocks, "model.norm": 0.5, "model.head": 0.25, "<outside>": 0.25},
+            "saved_by_module_after_mib": {**blocks, "model.blocks.0.act": 0.1, "model.norm": 0.5},
+            "entries": [
+                {"name": "model.blocks.0.act", "status": "converted", "detail": "ReGELU2 (erf)"},
+                {"name": "model.norm", "status": "left alone", "detail": "output reaches __getitem__ in model"},
+            ],
+        },
+    }
+    (ax,) = plots.module_figure(summary, top=2).axes
+    stock, converted = ax.containers
+    assert stock.get_label() == "stock model: 10.00 MiB"
+    assert converted.get_label() == "with LowMemBP: 8.60 MiB (-14.0%)"
+    assert [tick.get_text() for tick in ax.get_yticklabels()] == ["blocks.*.attn ×3", "blocks.*.act ×3", "3 more kinds"]
+    assert [bar.get_width() for bar in stock] == [6.0, 3.0, 1.0]
+    assert [bar.get_width() for bar in converted] == pytest.approx([6.0, 2.1, 0.5])
+    assert [text.get_text() for text in ax.texts] == ["→ ReGELU2 (erf)"]  # notes of the rows shown
+
+
 DDP_SCRIPT = """
-import json, sys, torch
+import json, sys, torch, warnings
 import lightning.pytorch as pl
 from torch import nn
 from lightning_lowmem import PeakMemoryMonitor
@@ -189,23 +381,40 @@ class Uneven(pl.LightningModule):
             h = h.exp() * h  # rank 1 saves more for backward
         return h.pow(2).mean()
 
+    def validation_step(self, batch, batch_idx):
+        pass
+
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.01)
 
 
-monitor = PeakMemoryMonitor(activation_every_n_steps=1)
-trainer = pl.Trainer(accelerator="cpu", strategy="ddp", devices=2, max_epochs=1, logger=False,
+monitor = PeakMemoryMonitor(activation_every_n_steps=1, validation=True)
+trainer = pl.Trainer(accelerator="cpu", strategy="ddp", devices=2, max_epochs=2, logger=False,
                      enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-                     callbacks=[monitor], default_root_dir={root!r})
-trainer.fit(Uneven(), torch.utils.data.DataLoader(torch.randn(16, 32), batch_size=4))
+                     callbacks=[monitor], default_root_dir={root!r}, num_sanity_val_steps=0)
+reduced = []  # sizes of the tensors reduced across ranks
+reduce = trainer.strategy.reduce
+
+def counted(tensor, *args, **kwargs):
+    if tensor.is_floating_point():  # Lightning reduces its own stop/save decisions as int tensors
+        reduced.append(tensor.numel())
+    return reduce(tensor, *args, **kwargs)
+
+
+trainer.strategy.reduce = counted
+data = torch.utils.data.DataLoader(torch.randn(16, 32), batch_size=4)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    trainer.fit(Uneven(), data, data)
 local = trainer.strategy.all_gather(torch.tensor(monitor._activation_bytes / MIB))
 if trainer.global_rank == 0:
     json.dump({{"logged": trainer.callback_metrics["peak_memory/train_activation_mib"].item(),
-               "summary": monitor.history[0]["train"]["activation"], "per_rank": local.tolist()}}, open({out!r}, "w"))
+               "summary": monitor.history[-1]["train"]["activation"], "per_rank": local.tolist(), "reduced": reduced,
+               "warnings": [str(w.message) for w in caught if "sync_dist" in str(w.message)]}}, open({out!r}, "w"))
 """
 
 
-def test_ddp_logs_the_max_across_ranks(tmp_path):
+def test_ddp_logs_the_max_across_ranks_in_one_reduction_per_epoch(tmp_path):
     out, script = tmp_path / "ddp.json", tmp_path / "ddp_run.py"
     script.write_text(DDP_SCRIPT.format(root=str(tmp_path), out=str(out)))
     env = {k: v for k, v in os.environ.items() if k.startswith(("LIGHTNING_LOWMEM", "HOME", "TMP", "PATH"))}
@@ -216,3 +425,5 @@ def test_ddp_logs_the_max_across_ranks(tmp_path):
     rank0, rank1 = result["per_rank"]
     assert rank1 > rank0
     assert result["logged"] == pytest.approx(rank1, abs=1e-3) and result["summary"] == pytest.approx(rank1, abs=1e-3)
+    assert result["reduced"] == [3, 3]  # per epoch: train activation and RSS, val RSS, in one tensor
+    assert result["warnings"] == []  # Lightning does not ask to sync figures that are already synced

@@ -13,29 +13,39 @@ Figures (MiB, max across ranks), logged as ``peak_memory/{stage}_{name}_mib``:
   figure is the peak since the process started, and the monitor says so once.
 
 Training figures exclude the validation loops that run inside a training epoch; validation
-figures are logged with ``validation=True``.
+figures are logged with ``validation=True``. All figures of an epoch are reduced across ranks in
+one all-reduce at the end of the training epoch.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from lightning_utilities.core.imports import RequirementCache
+from typing_extensions import override
 
+from lightning_lowmem.lightning import plots
+from lightning_lowmem.lightning.lowmem_bp import LowMemBP
 from lightning_lowmem.memory import SavedTensorMeter
 from lightning_lowmem.memory.saved_tensors import MIB
 
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+    from lightning_lowmem.surgery import LowMemReport
+
 METRICS = ("activation", "cuda_allocated", "cuda_reserved", "cpu_rss")
-_MATPLOTLIB_AVAILABLE = RequirementCache("matplotlib")
+Figures = dict[str, float]
 
 
 class MemoryBudgetExceeded(RuntimeError):
@@ -43,7 +53,7 @@ class MemoryBudgetExceeded(RuntimeError):
 
 
 class PeakMemoryMonitor(Callback):
-    """Log peak memory per epoch to every logger, check budgets, write a JSON summary.
+    """Log peak memory per epoch to every logger, check budgets, write a JSON summary and pictures.
 
     Args:
         activation_every_n_steps: measure the activation memory of every n-th training batch
@@ -53,12 +63,18 @@ class PeakMemoryMonitor(Callback):
             ``cuda_reserved``, ``cpu_rss``), checked in every stage that measures the figure;
             exceeding one raises :class:`MemoryBudgetExceeded` at the end of that epoch.
         module_table: at the end of the first training epoch, print which modules hold the
-            most activation memory (and add the breakdown to the JSON summary).
-        top: rows of that table.
-        plot: write ``peak_memory.png`` (figures per epoch) at the end of fit; needs matplotlib.
+            most activation memory.
+        top: rows of that table and of the per-module picture.
+        plot: draw the pictures of :mod:`~lightning_lowmem.lightning.plots` (needs matplotlib):
+            ``peak_memory.png`` (figures per epoch, one panel per kind of memory, budgets, and
+            the stock model's activation figure when LowMemBP measured it) after every training
+            epoch, and ``peak_memory_modules.png`` (where activation memory goes, per module)
+            after the first. Loggers that take figures (TensorBoard) get them too.
 
     On rank 0, ``peak_memory.json`` in ``trainer.log_dir`` (or ``default_root_dir`` without a
-    logger) is rewritten after every training epoch.
+    logger) is rewritten after every training epoch; it holds every figure of every epoch, the
+    first epoch's per-module breakdown and, with :class:`~lightning_lowmem.LowMemBP`, what it
+    measured and converted.
 
     Overhead: a sampled step runs Python hooks on every module and every saved tensor, measured
     at 5-7 ms of CPU time per sampled step for timm ViTs (2-4 blocks, 2-core CPU), i.e. +1% to
@@ -89,95 +105,106 @@ class PeakMemoryMonitor(Callback):
                 raise MisconfigurationException(
                     f"PeakMemoryMonitor: budget {name!r} must be a positive number of MiB, got {value!r}"
                 )
-        if plot and not _MATPLOTLIB_AVAILABLE:
-            rank_zero_warn("PeakMemoryMonitor(plot=True): matplotlib is not installed, no plot will be written")
+        if plot and not plots.MATPLOTLIB_AVAILABLE:
+            raise ModuleNotFoundError(
+                f"PeakMemoryMonitor(plot=True) draws with matplotlib. {plots.MATPLOTLIB_AVAILABLE}"
+            )
         self.activation_every_n_steps = activation_every_n_steps
         self.validation = validation
         self.budget_mib = budget_mib
         self.module_table = module_table
         self.top = top
-        self.plot = plot and bool(_MATPLOTLIB_AVAILABLE)
+        self.plot = plot
         self.history: list[dict[str, Any]] = []
         self.modules_mib: dict[str, float] = {}
         self._meter: SavedTensorMeter | None = None
         self._activation_bytes = 0
-        self._train: dict[str, float] = {}
-        self._validation: dict[str, float] = {}
+        self._train: Figures = {}
+        self._validation: Figures = {}
         self._rss_resets = True
 
     # -- training --------------------------------------------------------------------------
+    @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._train = {}
+        self._train, self._validation = {}, {}
         self._activation_bytes = 0
-        self._reset(pl_module.device)
+        self._reset(trainer.strategy.root_device)
 
+    @override
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         if self.activation_every_n_steps and batch_idx % self.activation_every_n_steps == 0:
             self._meter = SavedTensorMeter(pl_module).__enter__()
 
+    @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
-        self._close_meter(trainer)
+        self._close_meter()
 
+    @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        self._close_meter(trainer)  # a step that returned no loss never reached backward
+        self._close_meter()  # a step that returned no loss never reached backward
 
+    @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        self._close_meter(trainer)
+        self._close_meter()
 
+    @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        train = _max_merge(self._train, self._read(pl_module.device))
+        stages = {"train": _max_merge(self._train, self._read(trainer.strategy.root_device))}
         if self.activation_every_n_steps:
-            train["activation"] = self._activation_bytes / MIB
-        train = self._log(trainer, pl_module, "train", train)
-        row = {"epoch": trainer.current_epoch, "train": train}
+            stages["train"]["activation"] = self._activation_bytes / MIB
         if self._validation:
-            row["val"], self._validation = self._validation, {}
-        self.history.append(row)
-        if trainer.current_epoch == 0 and self.module_table and self.modules_mib:
-            rows = "\n".join(f"  {name:<50} {mib:>10.3f}" for name, mib in self.modules_mib.items())
+            stages["val"] = self._validation
+        stages = self._reduce_and_log(trainer, pl_module, stages)
+        self.history.append({"epoch": trainer.current_epoch, **stages})
+        first = len(self.history) == 1
+        if first and self.module_table and self.modules_mib:
+            rows = "\n".join(f"  {name:<50} {mib:>10.3f}" for name, mib in list(self.modules_mib.items())[: self.top])
             rank_zero_info(f"PeakMemoryMonitor: modules holding the most activation memory (MiB):\n{rows}")
         log_dir = _log_dir(trainer)  # on every rank: trainer.log_dir is a collective
         if trainer.is_global_zero:
-            self._write_summary(trainer, log_dir)
-        self._check_budget("train", train, trainer.current_epoch)
+            summary = self._summary(trainer)
+            log_dir.mkdir(parents=True, exist_ok=True)
+            (log_dir / "peak_memory.json").write_text(json.dumps(summary, indent=2))
+            if self.plot:
+                self._draw(trainer, log_dir / "peak_memory.png", "peak_memory", plots.epoch_figure(summary))
+            if self.plot and first:
+                figure = plots.module_figure(summary, self.top)
+                self._draw(trainer, log_dir / "peak_memory_modules.png", "peak_memory/modules", figure)
+        self._check_budget(stages, trainer.current_epoch)
 
     # -- validation ------------------------------------------------------------------------
+    @override
     def on_validation_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.sanity_checking:
             return
-        if trainer.training:
-            self._train = _max_merge(self._train, self._read(pl_module.device))
-        self._reset(pl_module.device)
+        if trainer.state.fn == TrainerFn.FITTING:  # the training peak so far, before the reset
+            self._train = _max_merge(self._train, self._read(trainer.strategy.root_device))
+        self._reset(trainer.strategy.root_device)
 
+    @override
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.sanity_checking:
             return
         if self.validation:
-            figures = self._log(trainer, pl_module, "val", self._read(pl_module.device))
-            self._validation = figures
-            self._check_budget("val", figures, trainer.current_epoch)
-        self._reset(pl_module.device)
-
-    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if not (self.plot and self.history):
-            return
-        log_dir = _log_dir(trainer)
-        if trainer.is_global_zero:
-            self._write_plot(log_dir)
+            self._validation = _max_merge(self._validation, self._read(trainer.strategy.root_device))
+            if trainer.state.fn != TrainerFn.FITTING:  # no training epoch end to log them
+                stages = self._reduce_and_log(trainer, pl_module, {"val": self._validation})
+                self._validation = {}
+                self._check_budget(stages, trainer.current_epoch)
+        self._reset(trainer.strategy.root_device)
 
     # -- measurement -----------------------------------------------------------------------
-    def _close_meter(self, trainer: pl.Trainer) -> None:
+    def _close_meter(self) -> None:
         meter, self._meter = self._meter, None
         if meter is None:
             return
         meter.__exit__(None, None, None)
         if meter.peak_bytes > self._activation_bytes:
             self._activation_bytes = meter.peak_bytes
-            if trainer.current_epoch == 0 and self.module_table:
-                top = list(meter.by_module.items())[: self.top]
-                self.modules_mib = {name: nbytes / MIB for name, nbytes in top}
+            if not self.history:  # the first epoch's largest step
+                self.modules_mib = {name: round(nbytes / MIB, 4) for name, nbytes in meter.by_module.items()}
 
     def _reset(self, device: torch.device) -> None:
         if device.type == "cuda":
@@ -190,7 +217,7 @@ class PeakMemoryMonitor(Callback):
             )
 
     @staticmethod
-    def _read(device: torch.device) -> dict[str, float]:
+    def _read(device: torch.device) -> Figures:
         figures = {}
         if device.type == "cuda":
             figures["cuda_allocated"] = torch.cuda.max_memory_allocated(device) / MIB
@@ -200,31 +227,39 @@ class PeakMemoryMonitor(Callback):
             figures["cpu_rss"] = rss / MIB
         return figures
 
-    def _log(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str, figures: dict[str, float]
-    ) -> dict[str, float]:
-        """Log the max across ranks of each figure; return those maxima."""
-        names = sorted(figures)
-        local = torch.tensor([figures[name] for name in names], dtype=torch.float64, device=pl_module.device)
-        values = trainer.strategy.reduce(local, reduce_op="max").tolist() if names else []
-        result = {name: round(value, 3) for name, value in zip(names, values)}
-        for name, value in result.items():
+    @staticmethod
+    def _reduce_and_log(
+        trainer: pl.Trainer, pl_module: pl.LightningModule, stages: dict[str, Figures]
+    ) -> dict[str, Figures]:
+        """Log the max across ranks of every figure of every stage (one all-reduce); return those maxima."""
+        keys = [(stage, name) for stage, figures in stages.items() for name in sorted(figures)]
+        if not keys:
+            return {}
+        local = torch.tensor([stages[stage][name] for stage, name in keys], dtype=torch.float64)
+        values = trainer.strategy.reduce(local.to(trainer.strategy.root_device), reduce_op="max").tolist()
+        result: dict[str, Figures] = {stage: {} for stage in stages}
+        for (stage, name), value in zip(keys, values):
+            result[stage][name] = round(value, 3)
+            # already reduced: rank_zero_only makes Lightning's own per-metric sync a no-op, and
+            # sync_dist=True keeps away its advice to sync an epoch-level metric
             pl_module.log(
-                f"peak_memory/{stage}_{name}_mib", value, on_step=False, on_epoch=True, sync_dist=True, reduce_fx="max"
-            )
+                f"peak_memory/{stage}_{name}_mib", result[stage][name],
+                on_step=False, on_epoch=True, sync_dist=True, rank_zero_only=True,
+            )  # fmt: skip
         return result
 
-    def _check_budget(self, stage: str, figures: dict[str, float], epoch: int) -> None:
-        for name, value in figures.items():
-            budget = self.budget_mib.get(name)
-            if budget is not None and value > budget:
-                raise MemoryBudgetExceeded(
-                    f"PeakMemoryMonitor: peak_memory/{stage}_{name}_mib = {value:.2f} MiB exceeds its budget of "
-                    f"{budget:g} MiB (epoch {epoch})"
-                )
+    def _check_budget(self, stages: dict[str, Figures], epoch: int) -> None:
+        for stage, figures in stages.items():
+            for name, value in figures.items():
+                budget = self.budget_mib.get(name)
+                if budget is not None and value > budget:
+                    raise MemoryBudgetExceeded(
+                        f"PeakMemoryMonitor: peak_memory/{stage}_{name}_mib = {value:.2f} MiB exceeds its budget of "
+                        f"{budget:g} MiB (epoch {epoch})"
+                    )
 
     # -- outputs ---------------------------------------------------------------------------
-    def _write_summary(self, trainer: pl.Trainer, log_dir: Path) -> None:
+    def _summary(self, trainer: pl.Trainer) -> dict[str, Any]:
         summary = {
             "unit": "MiB",
             "device": str(trainer.strategy.root_device),
@@ -235,29 +270,67 @@ class PeakMemoryMonitor(Callback):
             "epochs": self.history,
             "modules_first_epoch_mib": self.modules_mib,
         }
-        log_dir.mkdir(parents=True, exist_ok=True)
-        (log_dir / "peak_memory.json").write_text(json.dumps(summary, indent=2))
+        report = next((cb.report for cb in trainer.callbacks if isinstance(cb, LowMemBP) and cb.report), None)
+        if report is not None:
+            activation = self.history[0]["train"].get("activation")
+            outside = self.modules_mib.get("<outside>", 0.0)
+            summary["lowmem"] = _lowmem_summary(report, activation, outside, str(trainer.precision))
+        return summary
 
-    def _write_plot(self, log_dir: Path) -> None:
-        import matplotlib
+    @staticmethod
+    def _draw(trainer: pl.Trainer, path: Path, tag: str, figure: Figure | None) -> None:
+        """Write ``figure`` to ``path`` and hand it to every logger that takes figures (TensorBoard)."""
+        if figure is None:
+            return
+        figure.savefig(path, dpi=100)
+        for logger in trainer.loggers:
+            add_figure = getattr(logger.experiment, "add_figure", None)
+            if add_figure is not None:
+                add_figure(tag, figure, global_step=trainer.global_step, close=False)
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
 
-        fig, ax = plt.subplots(figsize=(6, 4))
-        series = sorted(
-            {(stage, name) for row in self.history for stage in ("train", "val") for name in row.get(stage, {})}
-        )
-        for stage, name in series:
-            points = [(row["epoch"], row[stage][name]) for row in self.history if name in row.get(stage, {})]
-            ax.plot(*zip(*points), marker="o", label=f"{stage} {name}")
-        ax.set_xlabel("epoch")
-        ax.set_ylabel("peak MiB")
-        ax.legend()
-        fig.tight_layout()
-        log_dir.mkdir(parents=True, exist_ok=True)
-        fig.savefig(log_dir / "peak_memory.png")
-        plt.close(fig)
+def _lowmem_summary(
+    report: LowMemReport, activation_mib: float | None, outside_mib: float, precision: str
+) -> dict[str, Any]:
+    """What LowMemBP converted, left alone and measured at conversion, for the pictures.
+
+    ``outside_mib``: what the training step saved outside the model (the loss), which the
+    measurement at conversion does not see and the surgery does not change.
+    """
+    summary: dict[str, Any] = {"entries": [dataclasses.asdict(entry) for entry in report.entries]}
+    if report.reduction is not None:
+        summary["saved_mib_before"] = round(report.saved_bytes_before / MIB, 4)
+        summary["saved_mib_after"] = round(report.saved_bytes_after / MIB, 4)
+        summary["reduction"] = round(report.reduction, 4)
+        stock = _stock_activation(report, activation_mib and activation_mib - outside_mib, precision)
+        if stock is not None:
+            summary["stock_activation_mib"] = round(stock + outside_mib, 3)
+    for field in ("saved_by_module_before", "saved_by_module_after"):  # per-module bytes, when the report has them
+        by_module = getattr(report, field, None)
+        if by_module:
+            summary[f"{field}_mib"] = {name: round(nbytes / MIB, 4) for name, nbytes in by_module.items()}
+    return summary
+
+
+def _stock_activation(report: LowMemReport, activation_mib: float | None, precision: str) -> float | None:
+    """The stock model's activation MiB at this run's batch, from the converted model's and LowMemBP's measurement.
+
+    The report measured one forward on the example input, not on this run's batch. Activations
+    grow with the batch and scale by the ratio the converted model shows; autocast's weight copies
+    do not, so under mixed precision the estimate needs them apart (``weight_copy_bytes_before`` /
+    ``_after``); without them there is none.
+    """
+    copies_before = getattr(report, "weight_copy_bytes_before", None)
+    copies_after = getattr(report, "weight_copy_bytes_after", None)
+    if copies_before is None or copies_after is None:
+        if "mixed" in precision:
+            return None
+        copies_before = copies_after = 0
+    activations_after = report.saved_bytes_after - copies_after
+    if not activation_mib or activations_after <= 0:
+        return None
+    scale = (activation_mib * MIB - copies_after) / activations_after
+    return ((report.saved_bytes_before - copies_before) * scale + copies_before) / MIB
 
 
 def _log_dir(trainer: pl.Trainer) -> Path:
