@@ -35,6 +35,7 @@ from torch import nn
 from lightning_lowmem.lightning import LowMemPrecision
 from lightning_lowmem.memory import MIB, SavedTensorMeter
 from lightning_lowmem.surgery import apply_lowmem
+from lightning_lowmem.surgery.dataflow import call
 
 BASELINE = Path(__file__).with_name("baseline.json")
 DEFAULT_TOLERANCE = 0.01
@@ -76,14 +77,6 @@ class Case:
         raise ValueError(f"Case {self.name!r}: unsupported precision {self.precision!r}")
 
 
-def _call(model: nn.Module, example: Any) -> Any:
-    if isinstance(example, dict):
-        return model(**example)
-    if isinstance(example, tuple):
-        return model(*example)
-    return model(example)
-
-
 def _prepare(case: Case) -> tuple[nn.Module, Any]:
     torch.manual_seed(0)
     model, example = case.build()
@@ -98,7 +91,7 @@ def _measure_prepared(case: Case, model: nn.Module, example: Any) -> int:
     model = plugin.convert_module(model)
     example = plugin.convert_input(example)
     with plugin.forward_context(), SavedTensorMeter(model) as meter:
-        _call(model, example)
+        call(model, example)
     return meter.total_bytes
 
 
