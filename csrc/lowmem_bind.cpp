@@ -2,6 +2,7 @@
 // checks, output allocation and the Python binding. Shared by the CPU and CUDA extensions.
 #include <torch/extension.h>
 
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -33,34 +34,17 @@ void check_float(const char* op, const char* name, const at::Tensor& t) {
 // Bytes holding numel codes of `bits` bits each.
 int64_t packed_size(int64_t numel, int bits) { return (numel * bits + 7) / 8; }
 
-void check_kind(const char* op, const std::string& kind) {
-  TORCH_CHECK_VALUE(kind == "silu" || kind == "gelu" || kind == "gelu_tanh", op, ": unknown activation kind '", kind,
-                    "'; expected gelu, gelu_tanh or silu");
-}
-
-// Forward is the stock ATen kernel (bit-exact by construction); the codes ride along.
-std::tuple<at::Tensor, at::Tensor> act_forward_op(const at::Tensor& x, const std::string& kind,
-                                                  const std::vector<double>& thresholds) {
-  check_float("act_forward", "x", x);
-  check_kind("act_forward", kind);
+// Codes only: the activation itself is the caller's (the stock op, bit-exact by construction).
+at::Tensor act_codes_op(const at::Tensor& x, const std::vector<double>& thresholds) {
+  check_float("act_codes", "x", x);
   const int bits = storage_bits(static_cast<int64_t>(thresholds.size()));
-  TORCH_CHECK_VALUE(bits > 0, "act_forward: expected 1 to 15 thresholds (1-4 bit codes), got ", thresholds.size());
+  TORCH_CHECK_VALUE(bits > 0, "act_codes: expected 1 to 15 thresholds (1-4 bit codes), got ", thresholds.size());
   for (size_t t = 1; t < thresholds.size(); ++t) {
-    TORCH_CHECK_VALUE(thresholds[t - 1] <= thresholds[t], "act_forward: thresholds must be ascending");
+    TORCH_CHECK_VALUE(thresholds[t - 1] <= thresholds[t], "act_codes: thresholds must be ascending");
   }
   at::Tensor packed = at::empty({packed_size(x.numel(), bits)}, x.options().dtype(at::kByte));
-  if (!x.is_contiguous()) {
-    // The stock kernel on the strided input itself (its strided loop rounds differently from the
-    // contiguous one); the codes from a contiguous copy.
-    at::Tensor y = at::empty_like(x);
-    stock_activation_out(kind, x, y);
-    at::Tensor none;
-    if (x.numel() > 0) lowmem::act_forward(x.contiguous(), kind, thresholds.data(), thresholds.size(), none, packed);
-    return {y, packed};
-  }
-  at::Tensor y = at::empty_like(x, at::MemoryFormat::Contiguous);
-  if (x.numel() > 0) lowmem::act_forward(x, kind, thresholds.data(), thresholds.size(), y, packed);
-  return {y, packed};
+  if (x.numel() > 0) act_codes(x.contiguous(), thresholds.data(), thresholds.size(), packed);
+  return packed;
 }
 
 at::Tensor act_backward(const at::Tensor& grad, const at::Tensor& packed, const std::vector<double>& levels) {
@@ -116,27 +100,36 @@ at::Tensor norm_backward_op(const at::Tensor& grad, const at::Tensor& z, const a
 }
 
 Activation activation_of(const std::string& kind) {
-  check_kind("gated_backward", kind);
+  TORCH_CHECK_VALUE(kind == "silu" || kind == "gelu" || kind == "gelu_tanh", "gated_backward: unknown activation kind '",
+                    kind, "'; expected gelu, gelu_tanh or silu");
   return kind == "silu" ? Activation::kSilu : kind == "gelu" ? Activation::kGelu : Activation::kGeluTanh;
+}
+
+void check_like(const char* name, const at::Tensor& t, const at::Tensor& grad) {
+  check_float("gated_backward", name, t);
+  TORCH_CHECK_VALUE(t.sizes() == grad.sizes(), "gated_backward: shapes differ: grad ", grad.sizes(), ", ", name, " ",
+                    t.sizes());
+  TORCH_CHECK_TYPE(t.scalar_type() == grad.scalar_type(), "gated_backward: dtypes differ: grad ", grad.scalar_type(),
+                   ", ", name, " ", t.scalar_type());
 }
 
 std::tuple<at::Tensor, at::Tensor> gated_backward_op(const at::Tensor& grad, const at::Tensor& gate,
                                                      const at::Tensor& second, const std::string& kind,
-                                                     bool recover_up) {
+                                                     const std::optional<at::Tensor>& act) {
   check_float("gated_backward", "grad", grad);
-  check_float("gated_backward", "gate", gate);
-  check_float("gated_backward", "second", second);
   const Activation activation = activation_of(kind);
-  TORCH_CHECK_VALUE(gate.sizes() == grad.sizes() && second.sizes() == grad.sizes(), "gated_backward: shapes differ: grad ",
-                    grad.sizes(), ", gate ", gate.sizes(), ", second ", second.sizes());
-  TORCH_CHECK_TYPE(gate.scalar_type() == grad.scalar_type() && second.scalar_type() == grad.scalar_type(),
-                   "gated_backward: dtypes differ: grad ", grad.scalar_type(), ", gate ", gate.scalar_type(), ", second ",
-                   second.scalar_type());
+  check_like("gate", gate, grad);
+  check_like("second", second, grad);
+  at::Tensor forward_act;
+  if (act.has_value()) {
+    check_like("act", *act, grad);
+    forward_act = act->contiguous();
+  }
   at::Tensor g = grad.contiguous();
   at::Tensor grad_gate = at::empty_like(g, at::MemoryFormat::Contiguous);
   at::Tensor grad_up = at::empty_like(g, at::MemoryFormat::Contiguous);
   if (g.numel() > 0) {
-    gated_backward(g, gate.contiguous(), second.contiguous(), activation, recover_up, grad_gate, grad_up);
+    gated_backward(g, gate.contiguous(), second.contiguous(), forward_act, activation, grad_gate, grad_up);
   }
   return {grad_gate, grad_up};
 }
@@ -146,8 +139,7 @@ std::tuple<at::Tensor, at::Tensor> gated_backward_op(const at::Tensor& grad, con
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "lightning_lowmem compiled kernels (contract: lightning_lowmem.kernels.torch_ops)";
-  m.def("act_forward", &lowmem::act_forward_op, "stock activation and its packed k-bit codes", py::arg("x"),
-        py::arg("kind"), py::arg("thresholds"));
+  m.def("act_codes", &lowmem::act_codes_op, "packed k-bit codes of x", py::arg("x"), py::arg("thresholds"));
   m.def("act_backward", &lowmem::act_backward, "grad * levels[code]", py::arg("grad"), py::arg("packed"),
         py::arg("levels"));
   m.def("norm_forward", &lowmem::norm_forward_op, "affine-free norm output and rstd", py::arg("x"), py::arg("dim"),
@@ -155,5 +147,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("norm_backward", &lowmem::norm_backward_op, "norm input gradient from output and rstd", py::arg("grad"),
         py::arg("z"), py::arg("rstd"), py::arg("dim"), py::arg("center"), py::arg("dtype"));
   m.def("gated_backward", &lowmem::gated_backward_op, "gradients of act(gate) * up", py::arg("grad"), py::arg("gate"),
-        py::arg("second"), py::arg("kind"), py::arg("recover_up"));
+        py::arg("second"), py::arg("kind"), py::arg("act"));
 }

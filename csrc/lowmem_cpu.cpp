@@ -9,7 +9,6 @@
 
 #include <algorithm>
 #include <limits>
-#include <string>
 #include <array>
 #include <tuple>
 #include <type_traits>
@@ -124,18 +123,11 @@ void codes_span(const T* x, int64_t first, int64_t last, const at::opmath_type<T
 }
 
 template <int kBits, typename T>
-void act_forward_kernel(const at::Tensor& x, const std::string& kind, const at::opmath_type<T>* thresholds, at::Tensor& y,
-                        uint8_t* packed) {
+void act_codes_kernel(const T* x, int64_t numel, const at::opmath_type<T>* thresholds, uint8_t* packed) {
   constexpr int P = Packing<kBits>::kPerByte;
-  const T* xp = x.const_data_ptr<T>();
-  const int64_t numel = x.numel();
-  // The stock kernel over the whole tensor (bit-exact by construction), then one parallel code pass.
-  // (Running the stock kernel on cache-sized pieces of each thread's range with the codes right
-  // after was tried: it did not reproduce at::silu's bits for every size, so it is not done.)
-  if (y.defined()) stock_activation_out(kind, x, y);
   const int64_t bytes = (numel + P - 1) / P;
   at::parallel_for(0, bytes, 2048, [&](int64_t begin, int64_t end) {
-    codes_span<kBits>(xp, begin * P, std::min(numel, end * P), thresholds, packed);
+    codes_span<kBits>(x, begin * P, std::min(numel, end * P), thresholds, packed);
   });
 }
 
@@ -294,15 +286,18 @@ struct CpuMath {
   }
 };
 
-// fp32 / fp64: one vectorized pass straight over the tensors (act(gate) is already in T).
+// fp32 / fp64: one vectorized pass straight over the tensors; act(gate) is the forward's (`act`, with
+// kRecoverUp) or evaluated here (already in T).
 template <Activation kKind, bool kRecoverUp, typename T>
-void gated_backward_kernel(const T* grad, const T* gate, const T* second, int64_t numel, T* grad_gate, T* grad_up) {
+void gated_backward_kernel(const T* grad, const T* gate, const T* second, const T* act, int64_t numel, T* grad_gate,
+                           T* grad_up) {
   at::parallel_for(0, numel, 2048, [&](int64_t begin, int64_t end) {
     row_for_each<T>(end - begin, [&](int64_t k, auto v) {
       using V = decltype(v);
       const int64_t i = begin + k;
       V value, slope, dg, du;
       activation_and_slope<kKind, CpuMath>(load(gate, i, v), value, slope);
+      if constexpr (kRecoverUp) value = load(act, i, v);
       gated_grads<kRecoverUp, CpuMath>(load(grad, i, v), value, slope, load(second, i, v), dg, du);
       store(grad_gate, i, dg);
       store(grad_up, i, du);
@@ -310,11 +305,11 @@ void gated_backward_kernel(const T* grad, const T* gate, const T* second, int64_
   });
 }
 
-// fp16 / bf16: each vector of T widened to two fp32 vectors in registers (no staging buffers),
-// act(gate) rounded to T and back in registers; scalar tail.
+// fp16 / bf16: each vector of T widened to two fp32 vectors in registers (no staging buffers); act(gate)
+// is the forward's (`act`, with kRecoverUp) or evaluated here and rounded to T and back; scalar tail.
 template <Activation kKind, bool kRecoverUp, typename T>
-void gated_backward_reduced_kernel(const T* grad, const T* gate, const T* second, int64_t numel, T* grad_gate,
-                                   T* grad_up) {
+void gated_backward_reduced_kernel(const T* grad, const T* gate, const T* second, const T* act, int64_t numel,
+                                   T* grad_gate, T* grad_up) {
   using bVec = Vectorized<T>;
   using fVec = Vectorized<float>;
   at::parallel_for(0, numel, 2048, [&](int64_t begin, int64_t end) {
@@ -326,7 +321,11 @@ void gated_backward_reduced_kernel(const T* grad, const T* gate, const T* second
       fVec a0, a1, d0, d1;
       activation_and_slope<kKind, CpuMath>(g0, a0, d0);
       activation_and_slope<kKind, CpuMath>(g1, a1, d1);
-      std::tie(a0, a1) = at::vec::convert_to_float<T>(at::vec::convert_from_float<T>(a0, a1));
+      if constexpr (kRecoverUp) {
+        std::tie(a0, a1) = at::vec::convert_to_float<T>(bVec::loadu(act + i));
+      } else {
+        std::tie(a0, a1) = at::vec::convert_to_float<T>(at::vec::convert_from_float<T>(a0, a1));
+      }
       fVec dg0, dg1, du0, du1;
       gated_grads<kRecoverUp, CpuMath>(dh0, a0, d0, x0, dg0, du0);
       gated_grads<kRecoverUp, CpuMath>(dh1, a1, d1, x1, dg1, du1);
@@ -336,7 +335,7 @@ void gated_backward_reduced_kernel(const T* grad, const T* gate, const T* second
     for (; i < end; ++i) {
       float value, slope, dg, du;
       activation_and_slope<kKind, CpuMath>(static_cast<float>(gate[i]), value, slope);
-      value = static_cast<float>(static_cast<T>(value));
+      value = static_cast<float>(kRecoverUp ? act[i] : static_cast<T>(value));
       gated_grads<kRecoverUp, CpuMath>(static_cast<float>(grad[i]), value, slope, static_cast<float>(second[i]), dg, du);
       grad_gate[i] = static_cast<T>(dg);
       grad_up[i] = static_cast<T>(du);
@@ -346,9 +345,8 @@ void gated_backward_reduced_kernel(const T* grad, const T* gate, const T* second
 
 }  // namespace
 
-void act_forward(const at::Tensor& x, const std::string& kind, const double* thresholds_in, int64_t count, at::Tensor& y,
-                 at::Tensor& packed) {
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "act_forward", [&] {
+void act_codes(const at::Tensor& x, const double* thresholds_in, int64_t count, at::Tensor& packed) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "act_codes", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     dispatch_bits(storage_bits(count), [&](auto bits) {
       constexpr int kBits = decltype(bits)::value;
@@ -356,7 +354,7 @@ void act_forward(const at::Tensor& x, const std::string& kind, const double* thr
       for (int t = 0; t < Packing<kBits>::kThresholds; ++t) {
         thresholds[t] = t < count ? acc_t(thresholds_in[t]) : std::numeric_limits<acc_t>::infinity();
       }
-      act_forward_kernel<kBits, scalar_t>(x, kind, thresholds, y, packed.mutable_data_ptr<uint8_t>());
+      act_codes_kernel<kBits>(x.const_data_ptr<scalar_t>(), x.numel(), thresholds, packed.mutable_data_ptr<uint8_t>());
     });
   });
 }
@@ -392,23 +390,23 @@ void norm_backward(const at::Tensor& grad, const at::Tensor& z, const at::Tensor
   });
 }
 
-void gated_backward(const at::Tensor& grad, const at::Tensor& gate, const at::Tensor& second, Activation kind,
-                    bool recover_up, at::Tensor& grad_gate, at::Tensor& grad_up) {
+void gated_backward(const at::Tensor& grad, const at::Tensor& gate, const at::Tensor& second, const at::Tensor& act,
+                    Activation kind, at::Tensor& grad_gate, at::Tensor& grad_up) {
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(), "gated_backward", [&] {
     dispatch_activation(kind, [&](auto activation) {
       constexpr Activation kKind = decltype(activation)::value;
       const auto run = [&](auto recover) {
         constexpr bool kRecoverUp = decltype(recover)::value;
         const scalar_t *g = grad.const_data_ptr<scalar_t>(), *x = gate.const_data_ptr<scalar_t>(),
-                       *s = second.const_data_ptr<scalar_t>();
+                       *s = second.const_data_ptr<scalar_t>(), *a = kRecoverUp ? act.const_data_ptr<scalar_t>() : nullptr;
         scalar_t *dg = grad_gate.mutable_data_ptr<scalar_t>(), *du = grad_up.mutable_data_ptr<scalar_t>();
         if constexpr (std::is_same_v<scalar_t, at::opmath_type<scalar_t>>) {
-          gated_backward_kernel<kKind, kRecoverUp>(g, x, s, grad.numel(), dg, du);
+          gated_backward_kernel<kKind, kRecoverUp>(g, x, s, a, grad.numel(), dg, du);
         } else {
-          gated_backward_reduced_kernel<kKind, kRecoverUp>(g, x, s, grad.numel(), dg, du);
+          gated_backward_reduced_kernel<kKind, kRecoverUp>(g, x, s, a, grad.numel(), dg, du);
         }
       };
-      if (recover_up) {
+      if (act.defined()) {
         run(std::true_type());
       } else {
         run(std::false_type());

@@ -9,7 +9,6 @@
 
 #include <algorithm>
 #include <limits>
-#include <string>
 #include <type_traits>
 
 #include "lowmem_kernels.h"
@@ -153,15 +152,16 @@ struct DeviceMath {
   __device__ static T nonzero_or_zero(T cond, T value) { return cond != T(0) ? value : T(0); }
 };
 
+// act(gate) is the forward's (`act`, with kRecoverUp) or evaluated here, rounded as the forward's product saw it.
 template <Activation kKind, bool kRecoverUp, typename T>
 __global__ void gated_backward_kernel(const T* __restrict__ grad, const T* __restrict__ gate,
-                                      const T* __restrict__ second, int64_t numel, T* __restrict__ grad_gate,
-                                      T* __restrict__ grad_up) {
+                                      const T* __restrict__ second, const T* __restrict__ act, int64_t numel,
+                                      T* __restrict__ grad_gate, T* __restrict__ grad_up) {
   using acc_t = at::opmath_type<T>;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < numel; i += int64_t(gridDim.x) * blockDim.x) {
     acc_t value, slope, dg, du;
     activation_and_slope<kKind, DeviceMath>(static_cast<acc_t>(gate[i]), value, slope);
-    value = static_cast<acc_t>(static_cast<T>(value));  // as the forward's product saw it
+    value = static_cast<acc_t>(kRecoverUp ? act[i] : static_cast<T>(value));
     gated_grads<kRecoverUp, DeviceMath>(static_cast<acc_t>(grad[i]), value, slope, static_cast<acc_t>(second[i]), dg, du);
     grad_gate[i] = static_cast<T>(dg);
     grad_up[i] = static_cast<T>(du);
@@ -187,12 +187,10 @@ int norm_threads(int64_t dim) {
 
 }  // namespace
 
-void act_forward(const at::Tensor& x, const std::string& kind, const double* thresholds, int64_t count, at::Tensor& y,
-                 at::Tensor& packed) {
+void act_codes(const at::Tensor& x, const double* thresholds, int64_t count, at::Tensor& packed) {
   const c10::cuda::CUDAGuard guard(x.device());
-  if (y.defined()) stock_activation_out(kind, x, y);
   const int64_t blocks = elementwise_blocks(packed.numel());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "act_forward", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "act_codes", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     dispatch_bits(storage_bits(count), [&](auto bits) {
       constexpr int kBits = decltype(bits)::value;
@@ -251,8 +249,8 @@ void norm_backward(const at::Tensor& grad, const at::Tensor& z, const at::Tensor
   });
 }
 
-void gated_backward(const at::Tensor& grad, const at::Tensor& gate, const at::Tensor& second, Activation kind,
-                    bool recover_up, at::Tensor& grad_gate, at::Tensor& grad_up) {
+void gated_backward(const at::Tensor& grad, const at::Tensor& gate, const at::Tensor& second, const at::Tensor& act,
+                    Activation kind, at::Tensor& grad_gate, at::Tensor& grad_up) {
   const c10::cuda::CUDAGuard guard(grad.device());
   const int64_t blocks = elementwise_blocks(grad.numel());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(), "gated_backward", [&] {
@@ -262,10 +260,11 @@ void gated_backward(const at::Tensor& grad, const at::Tensor& gate, const at::Te
         gated_backward_kernel<kKind, decltype(recover)::value, scalar_t>
             <<<blocks, kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
                 grad.const_data_ptr<scalar_t>(), gate.const_data_ptr<scalar_t>(), second.const_data_ptr<scalar_t>(),
-                grad.numel(), grad_gate.mutable_data_ptr<scalar_t>(), grad_up.mutable_data_ptr<scalar_t>());
+                act.defined() ? act.const_data_ptr<scalar_t>() : nullptr, grad.numel(),
+                grad_gate.mutable_data_ptr<scalar_t>(), grad_up.mutable_data_ptr<scalar_t>());
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       };
-      if (recover_up) {
+      if (act.defined()) {
         launch(std::true_type());
       } else {
         launch(std::false_type());

@@ -6,8 +6,6 @@
 #include <ATen/ATen.h>
 #include <ATen/core/Tensor.h>
 
-#include <string>
-
 #include "lowmem_math.h"
 
 namespace lowmem {
@@ -15,20 +13,9 @@ namespace lowmem {
 // The device type the linked kernels run on.
 extern const c10::DeviceType kKernelDevice;
 
-// y = the stock ATen activation of x (kind: gelu, gelu_tanh or silu; checked by the caller).
-inline void stock_activation_out(const std::string& kind, const at::Tensor& x, at::Tensor& y) {
-  if (kind == "silu") {
-    at::silu_out(y, x);
-  } else {
-    at::gelu_out(y, x, kind == "gelu_tanh" ? "tanh" : "none");
-  }
-}
-
-// y = stock activation of x, and packed[i/p] |= code(x[i]) << bits*(i%p) with p = 8/bits, bits the
-// storage bits of `count` thresholds (see storage_bits), thresholds in x's accumulate type.
-// An undefined y: the codes only.
-void act_forward(const at::Tensor& x, const std::string& kind, const double* thresholds, int64_t count, at::Tensor& y,
-                 at::Tensor& packed);
+// packed[i/p] |= code(x[i]) << bits*(i%p) with p = 8/bits, bits the storage bits of `count` thresholds
+// (see storage_bits), thresholds compared in x's accumulate type.
+void act_codes(const at::Tensor& x, const double* thresholds, int64_t count, at::Tensor& packed);
 
 // out[i] = grad[i] * levels[code(i)] over `count` levels, computed in grad's accumulate type.
 void step_scale(const at::Tensor& grad, const at::Tensor& packed, const double* levels, int64_t count, at::Tensor& out);
@@ -40,9 +27,10 @@ void norm_forward(const at::Tensor& x, int64_t dim, double eps, bool center, at:
 void norm_backward(const at::Tensor& grad, const at::Tensor& z, const at::Tensor& rstd, int64_t dim, bool center,
                    at::Tensor& grad_input);
 
-// Gradients of h = act(gate) * up (kind: silu, gelu or gelu_tanh) from grad = dL/dh; `second` is up,
-// or with recover_up the output h itself (up recovered as h / act(gate)). All tensors one dtype.
-void gated_backward(const at::Tensor& grad, const at::Tensor& gate, const at::Tensor& second, Activation kind,
-                    bool recover_up, at::Tensor& grad_gate, at::Tensor& grad_up);
+// Gradients of h = act(gate) * up (kind: silu, gelu or gelu_tanh) from grad = dL/dh. An undefined `act`:
+// `second` is up and act is evaluated here; else `act` holds the forward's act(gate) and `second` is h,
+// from which up = h / act. All tensors one dtype.
+void gated_backward(const at::Tensor& grad, const at::Tensor& gate, const at::Tensor& second, const at::Tensor& act,
+                    Activation kind, at::Tensor& grad_gate, at::Tensor& grad_up);
 
 }  // namespace lowmem

@@ -148,9 +148,10 @@ LOWMEM_HD void activation_and_slope(V g, V& value, V& slope) {
 }
 
 // Gradients of h = act(g) * u: grad_up = dh * act(g), grad_gate = dh * u * act'(g), from value =
-// act(g) rounded to the tensors' dtype (what the forward multiplied by) and slope = act'(g). With
-// kRecoverUp the second input is h itself and u = h / act(g) (0 where act(g) == 0: there grad_up
-// is exact and grad_gate is taken as 0, i.e. wrong only where g == 0 exactly and u != 0).
+// act(g) as the forward multiplied by it (rounded to the tensors' dtype) and slope = act'(g). With
+// kRecoverUp the second input is h itself and u = h / act(g), which is exact only when value holds the
+// forward's very bits (0 where act(g) == 0: there grad_up is exact and grad_gate is taken as 0, i.e.
+// wrong only where g == 0 exactly and u != 0).
 template <bool kRecoverUp, typename M, typename V>
 LOWMEM_HD void gated_grads(V grad, V value, V slope, V second, V& grad_gate, V& grad_up) {
   V up = second;

@@ -1,10 +1,49 @@
-"""Shared fixtures: deterministic seeds and a recorder of what autograd saves."""
+"""Shared fixtures: deterministic seeds, a recorder of what autograd saves, the compiled kernel backends.
+
+Without a GPU the Triton kernels run on CPU tensors in Triton's interpreter. Triton reads
+``TRITON_INTERPRET`` when a kernel is defined, i.e. when ``lightning_lowmem.kernels.triton_ops`` is
+first imported (on first use of the Triton backend, never at package import), so setting it here,
+before any test runs, is enough; with a GPU it stays unset and the kernels compile and run there.
+"""
 
 from __future__ import annotations
+
+import os
+from types import ModuleType
+from typing import NamedTuple
 
 import pytest
 import torch
 from typing_extensions import Self
+
+HAS_GPU = torch.cuda.is_available()
+
+
+def _interpreter_rounds_bf16_to_nearest_even() -> None:
+    """Triton's interpreter truncates fp32 -> bf16, where compiled Triton (like torch) rounds to nearest
+    even: make it round like the GPU, so that the interpreted kernels can be checked bit for bit."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    truncating = interpreter._convert_float
+
+    def convert(values, input_dtype, output_dtype, rounding_mode):
+        to_bf16 = input_dtype == tl.float32 and output_dtype == tl.bfloat16
+        if to_bf16 and rounding_mode != interpreter._ir.ROUNDING_MODE.RTZ:
+            as_float = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
+            return as_float.to(torch.bfloat16).view(torch.uint16).numpy()
+        return truncating(values, input_dtype, output_dtype, rounding_mode)
+
+    interpreter._convert_float = convert
+
+
+if not HAS_GPU:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    try:
+        _interpreter_rounds_bf16_to_nearest_even()
+    except ImportError:  # no triton on this platform: its tests skip
+        pass
 
 
 @pytest.fixture(autouse=True)
@@ -37,3 +76,43 @@ class SavedRecorder:
 @pytest.fixture
 def recorder() -> type[SavedRecorder]:
     return SavedRecorder
+
+
+class KernelBackend(NamedTuple):
+    """A compiled backend under test: its name, the device its tensors live on, its kernel module."""
+
+    name: str
+    device: str
+    module: ModuleType
+
+
+def _load_backend(name: str, device: str) -> KernelBackend:
+    from lightning_lowmem import kernels
+    from lightning_lowmem.kernels import build
+
+    if name == "triton":
+        module = kernels._triton_module()
+        if isinstance(module, ImportError):
+            pytest.skip(f"triton cannot be imported here: {module}")
+        if device == "cpu" and not module.INTERPRETED:
+            pytest.skip("the Triton kernels run on CPU tensors only in Triton's interpreter (TRITON_INTERPRET=1)")
+        return KernelBackend(name, device, module)
+    module = build.load("cpu" if name == "cpp" else "cuda")
+    if isinstance(module, build.BuildError):
+        pytest.fail(f"the {name} extension must build here: {module}")
+    return KernelBackend(name, device, module)
+
+
+_GPU = [pytest.mark.gpu, pytest.mark.skipif(not HAS_GPU, reason="no GPU")]
+KERNEL_BACKENDS = [
+    pytest.param(("cpp", "cpu"), id="cpp"),
+    pytest.param(("cuda", "cuda"), id="cuda", marks=_GPU),
+    pytest.param(("triton", "cpu"), id="triton-interpreter"),
+    pytest.param(("triton", "cuda"), id="triton-cuda", marks=_GPU),
+]
+
+
+@pytest.fixture(params=KERNEL_BACKENDS)
+def kernel_backend(request) -> KernelBackend:
+    """Each compiled backend on its device: C++ on CPU, CUDA C++ and Triton on a GPU, Triton interpreted on CPU."""
+    return _load_backend(*request.param)

@@ -7,7 +7,6 @@ import shutil
 import subprocess
 import sys
 import time
-from types import ModuleType
 
 import pytest
 import torch
@@ -15,24 +14,19 @@ import torch.nn.functional as F
 
 from lightning_lowmem import functional, kernels
 from lightning_lowmem.kernels import build, torch_ops
-from lightning_lowmem.ops.constants import GELU_2BIT, SILU_2BIT
+from lightning_lowmem.ops.activation_registry import GELU_2BIT, SILU_2BIT
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
-STEPS = {"gelu": GELU_2BIT, "gelu_tanh": GELU_2BIT, "silu": SILU_2BIT}
-# Empty, shorter than a byte, odd tails, around the 4096-element staging block, several parallel chunks.
-SIZES = [0, 1, 3, 4, 5, 4095, 4097, 3 * 4096 + 7, 200_003]
-NORM_SHAPES = [(0, 8), (1, 1), (3, 7), (5, 768), (2, 3, 1001), (64, 33)]
-DEVICES = [
-    "cpu",
-    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")]),
-]
-
-
-def compiled(device: str) -> ModuleType:
-    loaded = build.load("cpu" if device == "cpu" else "cuda")
-    if isinstance(loaded, build.BuildError):
-        pytest.fail(f"the {device} extension must build here: {loaded}")
-    return loaded
+STEPS = {"gelu": GELU_2BIT, "silu": SILU_2BIT}
+# Per backend: empty, shorter than a byte, odd tails, both sides of its block (C++: the 4096-element staging
+# block, then several parallel chunks; CUDA: 256 threads of one byte each; Triton: 1024 elements a program).
+SIZES = {
+    "cpp": [0, 1, 3, 4, 5, 4095, 4097, 3 * 4096 + 7, 200_003],
+    "cuda": [0, 1, 3, 4, 5, 1023, 1025, 200_003],
+    "triton": [0, 1, 3, 4, 5, 1023, 1025, 3 * 1024 + 7],
+}
+# Rows: none, of one element, odd, non-power-of-two, longer than a block (4096 for C++ and Triton), LLaMA's 11008.
+NORM_SHAPES = [(0, 8), (1, 1), (3, 7), (5, 768), (2, 3, 1001), (64, 33), (2, 4099), (1, 11008)]
 
 
 def spread(shape, dtype, device) -> torch.Tensor:
@@ -50,42 +44,37 @@ def half_tolerance(dtype: torch.dtype) -> dict:
     return {"atol": 1e-2, "rtol": 1e-2} if dtype in (torch.float16, torch.bfloat16) else {}
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("kind", STEPS)
+@pytest.mark.parametrize("table", STEPS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_activation_matches_reference_bit_for_bit(device, kind, dtype):
-    ext, step = compiled(device), STEPS[kind]
-    for n in SIZES:
-        x = spread((n,), dtype, device)
-        y, packed = ext.act_forward(x, kind, step.thresholds)
-        ref_y, ref_packed = torch_ops.act_forward(x, kind, step.thresholds)
-        assert torch.equal(y, ref_y) and torch.equal(y, torch_ops.stock_activation(x, kind)), n
-        assert packed.dtype == torch.uint8 and torch.equal(packed, ref_packed), n
-        g = torch.randn(n, dtype=dtype, device=device)
-        assert torch.equal(ext.act_backward(g, packed, step.levels), torch_ops.act_backward(g, ref_packed, step.levels))
+def test_codes_and_backward_match_reference_bit_for_bit(kernel_backend, table, dtype):
+    ext, step = kernel_backend.module, STEPS[table]
+    for n in SIZES[kernel_backend.name]:
+        x = spread((n,), dtype, kernel_backend.device)
+        packed = ext.act_codes(x, step.thresholds)
+        assert packed.dtype == torch.uint8 and torch.equal(packed, torch_ops.act_codes(x, step.thresholds)), n
+        g = torch.randn(n, dtype=torch.float64).to(dtype=dtype, device=kernel_backend.device)
+        got = ext.act_backward(g, packed, step.levels)
+        assert got.dtype == dtype and torch.equal(got, torch_ops.act_backward(g, packed, step.levels)), n
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_activation_non_contiguous_inputs(device):
-    ext, step = compiled(device), GELU_2BIT
+def test_codes_of_non_contiguous_inputs(kernel_backend):
+    ext, step, device = kernel_backend.module, GELU_2BIT, kernel_backend.device
     base = spread((37, 64), torch.float32, device)
     for x in (base.t(), base[:, ::3], base.unsqueeze(0).expand(2, -1, -1)):
-        y, packed = ext.act_forward(x, "gelu", step.thresholds)
-        assert torch.equal(y, F.gelu(x))
-        assert torch.equal(packed, torch_ops.act_forward(x, "gelu", step.thresholds)[1])
+        packed = ext.act_codes(x, step.thresholds)
+        assert torch.equal(packed, torch_ops.act_codes(x, step.thresholds))
         grad = torch.randn(x.shape[-1], device=device).expand(x.shape)  # stride 0, as from a broadcast
         got = ext.act_backward(grad, packed, step.levels)
         assert got.shape == x.shape and torch.equal(got, torch_ops.act_backward(grad, packed, step.levels))
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("center", [True, False], ids=["layer_norm", "rms_norm"])
 @pytest.mark.parametrize(
     "dtype,out_dtype",
     [(d, d) for d in DTYPES] + [(torch.float32, torch.bfloat16), (torch.float32, torch.float16)],
 )
-def test_norm_matches_reference(device, center, dtype, out_dtype):
-    ext = compiled(device)
+def test_norm_matches_reference(kernel_backend, center, dtype, out_dtype):
+    ext, device = kernel_backend.module, kernel_backend.device
     for shape in NORM_SHAPES:
         x = (torch.randn(shape, dtype=torch.float64) * 3 + 2).to(dtype=dtype, device=device)
         dim = shape[-1]
@@ -101,9 +90,8 @@ def test_norm_matches_reference(device, center, dtype, out_dtype):
         torch.testing.assert_close(got, want, **half_tolerance(out_dtype))
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_norm_non_contiguous_inputs(device):
-    ext = compiled(device)
+def test_norm_non_contiguous_inputs(kernel_backend):
+    ext, device = kernel_backend.module, kernel_backend.device
     x = torch.randn(48, 40, device=device).t()  # rows of 48, strided
     z, rstd = ext.norm_forward(x, 48, 1e-5, True, x.dtype)
     torch.testing.assert_close(z, F.layer_norm(x, (48,)))
@@ -115,11 +103,10 @@ def test_norm_non_contiguous_inputs(device):
     )
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_ops_on_compiled_backend_match_stock_modules(device, monkeypatch):
-    """The public ops on the compiled backend: exact forward, norm gradients of the stock norms."""
-    monkeypatch.setenv(kernels.ENV_VAR, "cpp" if device == "cpu" else "cuda")
-    x = torch.randn(6, 2, 33, dtype=torch.float64, device=device, requires_grad=True)
+def test_ops_on_compiled_backend_match_stock_modules(kernel_backend, monkeypatch):
+    """The public ops on a compiled backend in fp64: exact forward, norm gradients of the stock norms."""
+    monkeypatch.setenv(kernels.ENV_VAR, kernel_backend.name)
+    x = torch.randn(6, 2, 33, dtype=torch.float64, device=kernel_backend.device, requires_grad=True)
     assert torch.equal(functional.regelu2(x), F.gelu(x)) and torch.equal(functional.resilu2(x), F.silu(x))
     for ours, stock in (
         (lambda t: functional.ms_layer_norm(t, (33,)), lambda t: F.layer_norm(t, (33,))),
@@ -131,23 +118,51 @@ def test_ops_on_compiled_backend_match_stock_modules(device, monkeypatch):
         assert torch.autograd.gradcheck(ours, (x,))
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_bad_arguments_raise_naming_the_op(device):
-    ext = compiled(device)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_ops_on_compiled_backend_agree_with_the_reference_backend(kernel_backend, monkeypatch, dtype):
+    """Training dtypes: each op's output and input gradient on a compiled backend equal the pure-PyTorch
+    backend's (bit for bit; the norms and the gated backward's formulas within rounding)."""
+    x = (torch.randn(4, 3, 40, dtype=torch.float64) * 3).to(dtype=dtype, device=kernel_backend.device)
+    exact = {"regelu2": functional.regelu2, "resilu2 4-bit": lambda t: functional.resilu2(t, bits=4)}
+    close = {
+        "ms_layer_norm": lambda t: functional.ms_layer_norm(t, (40,)),
+        "ms_rms_norm": lambda t: functional.ms_rms_norm(t, (40,)),
+        "gated gate_up": lambda t: functional.gated_activation(t[..., :20], t[..., 20:], "gelu", "gate_up"),
+        "gated gate": lambda t: functional.gated_activation(t[..., :20], t[..., 20:], "silu", "gate"),
+    }
+
+    def output_and_grad(backend: str, op) -> tuple[torch.Tensor, torch.Tensor]:
+        monkeypatch.setenv(kernels.ENV_VAR, backend)
+        leaf = x.clone().requires_grad_()
+        out = op(leaf)
+        weights = torch.linspace(-1, 1, out.numel(), device=out.device).view_as(out).to(dtype)
+        return out, torch.autograd.grad(out, leaf, weights)[0]
+
+    for name, op in {**exact, **close}.items():
+        got, want = output_and_grad(kernel_backend.name, op), output_and_grad("torch", op)
+        for g, w in zip(got, want):
+            if name in exact:
+                assert torch.equal(g, w), name
+            else:
+                torch.testing.assert_close(g, w, **half_tolerance(dtype), msg=name)
+
+
+def test_bad_arguments_raise_naming_the_op(kernel_backend):
+    ext, device = kernel_backend.module, kernel_backend.device
     ints = torch.arange(8, device=device)
-    with pytest.raises(TypeError, match="act_forward: unsupported dtype"):
-        ext.act_forward(ints, "gelu", GELU_2BIT.thresholds)
-    with pytest.raises(ValueError, match="unknown activation kind"):
-        ext.act_forward(ints.float(), "relu", GELU_2BIT.thresholds)
+    with pytest.raises(TypeError, match="act_codes: unsupported dtype"):
+        ext.act_codes(ints, GELU_2BIT.thresholds)
+    with pytest.raises(ValueError, match="thresholds must be ascending"):
+        ext.act_codes(ints.float(), GELU_2BIT.thresholds[::-1])
     with pytest.raises(ValueError, match="act_backward: 1 packed bytes do not hold 8 codes"):
         ext.act_backward(ints.float(), torch.zeros(1, dtype=torch.uint8, device=device), GELU_2BIT.levels)
     with pytest.raises(TypeError, match="norm_forward: unsupported dtype"):
         ext.norm_forward(ints, 8, 1e-5, True, torch.float32)
     with pytest.raises(ValueError, match="norm_forward: cannot normalize 8 elements over trailing size 3"):
         ext.norm_forward(ints.float(), 3, 1e-5, True, torch.float32)
-    if device == "cpu" and torch.cuda.is_available():
+    if kernel_backend.name == "cpp" and torch.cuda.is_available():
         with pytest.raises(RuntimeError, match="must be on cpu"):
-            ext.act_forward(ints.float().cuda(), "gelu", GELU_2BIT.thresholds)
+            ext.act_codes(ints.float().cuda(), GELU_2BIT.thresholds)
 
 
 def test_backend_reports_what_runs(monkeypatch):
@@ -159,6 +174,36 @@ def test_backend_reports_what_runs(monkeypatch):
     monkeypatch.setenv(kernels.ENV_VAR, "fortran")
     with pytest.raises(ValueError, match="is not one of"):
         kernels.backend("cpu")
+
+
+def test_triton_runs_cuda_tensors_by_default_and_cpu_tensors_only_interpreted(monkeypatch):
+    """CUDA tensors: Triton first, the CUDA extension where Triton cannot run (or when forced); no GPU here,
+    so one is faked, with a compiled (not interpreted) Triton."""
+    triton_ops = kernels._triton_module()
+    if isinstance(triton_ops, ImportError):
+        pytest.skip(f"no triton: {triton_ops}")
+    monkeypatch.setattr(triton_ops, "INTERPRETED", False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    capability = [(9, 0)]
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability[0])
+    monkeypatch.setattr(build, "load", lambda kind: torch_ops)  # "the extension built"
+    monkeypatch.delenv(kernels.ENV_VAR, raising=False)
+    assert kernels.backend("cuda") == "triton" and kernels.implementation(torch.device("cuda")) is triton_ops
+    assert kernels.backend("cpu") == "cpp"
+    monkeypatch.setenv(kernels.ENV_VAR, "cuda")
+    assert kernels.backend("cuda") == "cuda" and kernels.backend("cpu") == "cpp"
+    monkeypatch.setenv(kernels.ENV_VAR, "cpp")
+    assert kernels.backend("cuda") == "triton"
+    capability[0] = (7, 5)
+    monkeypatch.delenv(kernels.ENV_VAR)
+    assert kernels.backend("cuda") == "cuda"
+    monkeypatch.setenv(kernels.ENV_VAR, "triton")
+    with pytest.raises(RuntimeError, match="=triton was requested.*compute capability 7.5, Triton needs 8.0"):
+        kernels.backend("cuda")
+    with pytest.raises(RuntimeError, match="=triton was requested.*set TRITON_INTERPRET=1"):
+        kernels.backend("cpu")
+    with pytest.raises(RuntimeError, match="act_codes: .*CPU tensors only in Triton's interpreter"):
+        triton_ops.act_codes(torch.ones(4), GELU_2BIT.thresholds)
 
 
 def test_failed_build_falls_back_once_or_raises_when_forced(monkeypatch):
@@ -231,7 +276,7 @@ def test_ninja_found_from_the_interpreter_environment(monkeypatch):
 
 
 def test_cli_prebuilds_and_reports():
-    compiled("cpu")  # built (or cached) in-process first, so the CLI only loads
+    assert not isinstance(build.load("cpu"), build.BuildError)  # built (or cached) in-process: the CLI only loads
     out = subprocess.run(
         [sys.executable, "-m", "lightning_lowmem.kernels", "build"],
         capture_output=True,

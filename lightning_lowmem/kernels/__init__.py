@@ -1,17 +1,22 @@
 """Kernel backends behind the low-memory ops, and which one runs.
 
-Three implementations share one contract (see :mod:`.torch_ops`): ``"torch"`` (pure
-PyTorch, always available), ``"cpp"`` (compiled CPU kernels) and ``"cuda"`` (compiled GPU
-kernels), the compiled ones JIT-built from ``csrc/`` on first use (see :mod:`.build`).
-By default CPU tensors run ``"cpp"`` and CUDA tensors ``"cuda"``; when an extension cannot
-be built, a warning says why (once) and the pure-PyTorch path runs.
-``LIGHTNING_LOWMEM_BACKEND=torch`` forces the reference everywhere; ``cpp`` (CPU tensors) and
-``cuda`` (CUDA tensors) make a failed build an error, never a silent fallback.
+Four implementations share one contract (see :mod:`.torch_ops`): ``"torch"`` (pure PyTorch,
+always available), ``"cpp"`` (compiled CPU kernels), ``"cuda"`` (compiled GPU kernels), both
+JIT-built from ``csrc/`` on first use (see :mod:`.build`), and ``"triton"`` (GPU kernels that
+Triton, shipped with torch, compiles at run time: no CUDA toolkit needed, see :mod:`.triton_ops`).
+By default CPU tensors run ``"cpp"`` and CUDA tensors ``"triton"`` (``"cuda"`` where Triton is
+missing or the GPU older than compute capability 8.0); when nothing compiled can run, a warning
+says why (once) and the pure-PyTorch path runs. ``LIGHTNING_LOWMEM_BACKEND`` forces one:
+``torch`` everywhere; ``cpp`` for CPU tensors and ``cuda`` for CUDA tensors (each leaves the
+other device on its default); ``triton`` for CUDA tensors and, only under ``TRITON_INTERPRET=1``
+(Triton's interpreter: the test mode), CPU tensors. A forced backend that cannot run is an error,
+never a silent fallback.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
 import os
 import warnings
 from types import ModuleType
@@ -20,10 +25,10 @@ import torch
 
 from lightning_lowmem.kernels import build, torch_ops
 
-BACKENDS = ("torch", "cpp", "cuda")
+BACKENDS = ("torch", "cpp", "cuda", "triton")
 ENV_VAR = "LIGHTNING_LOWMEM_BACKEND"
-_EXTENSION_OF = {"cpp": "cpu", "cuda": "cuda"}  # backend name -> extension kind in build.py
-_COMPILED_FOR = {"cpu": "cpp", "cuda": "cuda"}  # device type -> backend that compiles for it
+_EXTENSION_OF = {"cpp": "cpu", "cuda": "cuda"}  # compiled backend -> extension kind in build.py
+TRITON_MIN_CAPABILITY = (8, 0)  # the NVIDIA GPUs Triton supports
 
 
 def _forced() -> str | None:
@@ -36,13 +41,55 @@ def _forced() -> str | None:
 
 
 @functools.cache
-def _warn_fallback(name: str, reason: str) -> None:
+def _warn_fallback(names: str, reason: str) -> None:
     warnings.warn(
-        f"lightning_lowmem: the {name} kernels are unavailable ({reason}); using the pure-PyTorch "
-        f"implementation. Set {ENV_VAR}=torch to silence this, or {ENV_VAR}={name} to make it an error.",
+        f"lightning_lowmem: the {names} kernels are unavailable ({reason}); using the pure-PyTorch "
+        f"implementation. Set {ENV_VAR}=torch to silence this, or {ENV_VAR}=<backend> to make it an error.",
         RuntimeWarning,
         stacklevel=3,
     )
+
+
+@functools.cache
+def _triton_module() -> ModuleType | ImportError:
+    try:
+        return importlib.import_module("lightning_lowmem.kernels.triton_ops")
+    except ImportError as err:  # no triton (e.g. macOS, Windows) or one too old
+        return err
+
+
+def _triton_unusable(device: torch.device) -> str | None:
+    """Why the Triton kernels cannot run tensors on ``device``, or None when they can."""
+    module = _triton_module()
+    if isinstance(module, ImportError):
+        return f"triton cannot be imported: {module}"
+    if module.INTERPRETED:
+        return None  # the interpreter runs CPU and CUDA tensors alike
+    if device.type == "cpu":
+        return "CPU tensors run only in Triton's interpreter: set TRITON_INTERPRET=1 before the first use"
+    if not torch.cuda.is_available():
+        return "no CUDA GPU is available"
+    capability = torch.cuda.get_device_capability(device)
+    if torch.version.hip is None and capability < TRITON_MIN_CAPABILITY:
+        return f"the GPU has compute capability {capability[0]}.{capability[1]}, Triton needs 8.0 or newer"
+    return None
+
+
+def _unusable(name: str, device: torch.device) -> str | None:
+    """Why backend ``name`` cannot run tensors on ``device``, or None when it can."""
+    if name == "triton":
+        return _triton_unusable(device)
+    loaded = build.load(_EXTENSION_OF[name])
+    return None if isinstance(loaded, ModuleType) else str(loaded).splitlines()[0]
+
+
+def _candidates(device_type: str, forced: str | None) -> tuple[str, ...]:
+    """The compiled backends to try for a device type, in order of preference."""
+    if device_type == "cpu":
+        return ("triton",) if forced == "triton" else ("cpp",)
+    if device_type == "cuda":
+        return (forced,) if forced in ("triton", "cuda") else ("triton", "cuda")
+    return ()
 
 
 def backend(device: torch.device | str | None = None) -> str:
@@ -50,21 +97,25 @@ def backend(device: torch.device | str | None = None) -> str:
 
     The first call for a device type builds (or loads the cached build of) its extension.
     """
-    device_type = torch.device(device if device is not None else "cpu").type
+    device = torch.device(device if device is not None else "cpu")
     forced = _forced()
-    name = _COMPILED_FOR.get(device_type)
-    if forced == "torch" or name is None:
-        return "torch"
-    loaded = build.load(_EXTENSION_OF[name])
-    if isinstance(loaded, ModuleType):
-        return name
-    if forced == name:
-        raise RuntimeError(f"{ENV_VAR}={name} was requested, but the {name} kernels cannot be used: {loaded}")
-    _warn_fallback(name, str(loaded).splitlines()[0])
+    candidates = () if forced == "torch" else _candidates(device.type, forced)
+    reasons = []
+    for name in candidates:
+        reason = _unusable(name, device)
+        if reason is None:
+            return name
+        if name == forced:
+            raise RuntimeError(f"{ENV_VAR}={name} was requested, but the {name} kernels cannot be used: {reason}")
+        reasons.append(f"{name}: {reason}" if len(candidates) > 1 else reason)
+    if reasons:
+        _warn_fallback(" and ".join(candidates), "; ".join(reasons))
     return "torch"
 
 
 def implementation(device: torch.device) -> ModuleType:
     """The module implementing the kernel contract for tensors on ``device``."""
     name = backend(device)
-    return torch_ops if name == "torch" else build.load(_EXTENSION_OF[name])
+    if name == "torch":
+        return torch_ops
+    return _triton_module() if name == "triton" else build.load(_EXTENSION_OF[name])

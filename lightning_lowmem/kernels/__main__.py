@@ -28,6 +28,8 @@ def main(argv: list[str] | None = None) -> int:
     if "cuda" not in kinds:
         print("cuda: skipped (no CUDA GPU, or torch without CUDA)")
     print(f"backend: cpu tensors -> {backend('cpu')}")
+    if torch.cuda.is_available():
+        print(f"backend: cuda tensors -> {backend('cuda')}")
     return 1 if failed else 0
 
 

@@ -1,17 +1,16 @@
 """Pure-PyTorch reference implementation of the low-memory kernels.
 
-Every backend (this one, the C++ and the CUDA extension) implements the same four
-functions with the same contract, so the autograd functions in
+Every backend (this one, the C++ and CUDA extensions, and the Triton kernels) implements the
+same five functions with the same contract, so the autograd functions in
 :mod:`lightning_lowmem.ops` never know which one runs:
 
-- ``act_forward(x, kind, thresholds) -> (y, packed)``: ``y`` is the stock activation
-  (``kind`` is ``"gelu"``, ``"gelu_tanh"`` or ``"silu"``), ``packed`` the uint8 buffer of
-  ``ceil(numel*k/8)`` bytes holding ``code = sum(x > t_i)`` for every element in row-major
-  order. With ``n = len(thresholds)`` (ascending) codes take ``k = storage_bits(n)`` bits: 1 for
-  one threshold, 2 for two or three, 4 for four to fifteen (3-bit tables pack as 4); ``8/k`` codes
-  per byte, element ``i`` in bits ``k*(i % (8/k))`` of byte ``i // (8/k)``, the buffer
-  ``ceil(numel*k/8)`` bytes (the legacy 2-bit layout is ``n = 3``). Thresholds are compared in
-  fp32 (fp64 for fp64 input).
+- ``act_codes(x, thresholds) -> packed``: the uint8 buffer of ``ceil(numel*k/8)`` bytes holding
+  ``code = sum(x > t_i)`` for every element in row-major order. With ``n = len(thresholds)``
+  (ascending) codes take ``k = storage_bits(n)`` bits: 1 for one threshold, 2 for two or three, 4
+  for four to fifteen (3-bit tables pack as 4); ``8/k`` codes per byte, element ``i`` in bits
+  ``k*(i % (8/k))`` of byte ``i // (8/k)`` (the legacy 2-bit layout is ``n = 3``). Thresholds are
+  compared in fp32 (fp64 for fp64 input). The activation itself is no kernel's business: the op
+  computes it with the stock PyTorch function, so any activation works with the codes.
 - ``act_backward(grad, packed, levels) -> grad_input``: ``grad * levels[code]``, computed in
   fp32 (fp64 for fp64 grads) and returned in ``grad``'s dtype and shape; ``len(levels)`` is
   ``len(thresholds) + 1``, which fixes the storage bits.
@@ -21,11 +20,14 @@ functions with the same contract, so the autograd functions in
   standard deviation. ``center`` selects LayerNorm (True) or RMSNorm (False).
 - ``norm_backward(grad, z, rstd, dim, center, dtype) -> grad_input``: the paper's
   algorithms 2-3 from the saved output and rstd only, returned in ``dtype``.
-- ``gated_backward(grad, gate, second, kind, recover_up) -> (grad_gate, grad_up)``: gradients
-  of ``h = act(gate) * up`` (all tensors one dtype and shape), computed in fp32 (fp64 for fp64)
-  with ``act`` (rounded to the dtype, as the forward used it) and ``act'`` evaluated from ``gate``.
-  ``second`` is ``up``, or with ``recover_up`` the output ``h`` itself, from which
-  ``up = h / act(gate)`` (0 where ``act(gate) == 0``).
+- ``gated_backward(grad, gate, second, kind, act) -> (grad_gate, grad_up)``: gradients of
+  ``h = act(gate) * up`` (all tensors one dtype and shape; ``kind`` is ``"silu"``, ``"gelu"`` or
+  ``"gelu_tanh"``), computed in fp32 (fp64 for fp64) with ``act'`` evaluated from ``gate``. With
+  ``act=None``, ``second`` is ``up`` and ``act`` is evaluated from ``gate`` too (rounded to the
+  dtype, as the forward's product saw it). Otherwise ``act`` is the forward's own ``act(gate)``
+  tensor and ``second`` the output ``h``, from which ``up = h / act`` (0 where ``act == 0``): only
+  the very bits the forward multiplied with recover ``up`` to rounding (a recomputed ``act`` one
+  ulp off costs ~1e-5 relative error in GELU's negative tail).
 """
 
 from __future__ import annotations
@@ -47,6 +49,13 @@ def storage_bits(count: int) -> int:
     raise ValueError(f"expected 1 to 15 thresholds (1-4 bit codes), got {count}")
 
 
+def level_bits(count: int) -> int:
+    """Bits per code for a table of ``count`` levels (one more than thresholds): 1, 2 or 4."""
+    if not 2 <= count <= 16:
+        raise ValueError(f"expected 2 to 16 levels (1-4 bit codes), got {count}")
+    return storage_bits(count - 1)
+
+
 def packed_bytes(numel: int, bits: int) -> int:
     """Bytes of ``numel`` codes of ``storage_bits`` ``bits``: ``ceil(numel * k / 8)``."""
     return (numel * bits + 7) // 8
@@ -57,10 +66,16 @@ def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+GATED_KINDS = ("silu", "gelu", "gelu_tanh")  # the activations gated_backward has formulas for
+
+
 def stock_activation(x: torch.Tensor, kind: str) -> torch.Tensor:
+    """The stock PyTorch activation ``kind`` (one of GATED_KINDS): what the ops' forward returns."""
     if kind == "silu":
         return F.silu(x)
-    return F.gelu(x, approximate="tanh" if kind == "gelu_tanh" else "none")
+    if kind in ("gelu", "gelu_tanh"):
+        return F.gelu(x, approximate="tanh" if kind == "gelu_tanh" else "none")
+    raise ValueError(f"unknown activation kind {kind!r}; expected gelu, gelu_tanh or silu")
 
 
 def _shifts(bits: int, device: torch.device) -> torch.Tensor:
@@ -86,17 +101,17 @@ def unpack_codes(packed: torch.Tensor, numel: int, bits: int = 2) -> torch.Tenso
     return codes.view(-1)[:numel].long()
 
 
-def act_forward(x: torch.Tensor, kind: str, thresholds: tuple[float, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+def act_codes(x: torch.Tensor, thresholds: tuple[float, ...]) -> torch.Tensor:
     bits = storage_bits(len(thresholds))
     xa = x.reshape(-1).to(accumulate_dtype(x.dtype))
     codes = torch.zeros(xa.shape, dtype=torch.uint8, device=x.device)
     for threshold in thresholds:
         codes += xa > threshold
-    return stock_activation(x, kind), pack_codes(codes, bits)
+    return pack_codes(codes, bits)
 
 
 def act_backward(grad: torch.Tensor, packed: torch.Tensor, levels: tuple[float, ...]) -> torch.Tensor:
-    bits = storage_bits(len(levels) - 1)
+    bits = level_bits(len(levels))
     if packed.numel() != packed_bytes(grad.numel(), bits):
         raise ValueError(f"act_backward: {packed.numel()} packed bytes do not hold {grad.numel()} codes of {bits} bits")
     acc = accumulate_dtype(grad.dtype)
@@ -113,26 +128,32 @@ def activation_and_slope(g: torch.Tensor, kind: str) -> tuple[torch.Tensor, torc
     if kind == "gelu":
         cdf = 0.5 * (1 + torch.erf(g * math.sqrt(0.5)))
         return g * cdf, cdf + g * torch.exp(-0.5 * g * g) / math.sqrt(2 * math.pi)
-    if kind != "gelu_tanh":
-        raise ValueError(f"unknown activation kind {kind!r}; expected gelu, gelu_tanh or silu")
     k, c = math.sqrt(2 / math.pi), 0.044715
     t = torch.tanh(k * (g + c * g * g * g))
     return 0.5 * g * (1 + t), 0.5 * (1 + t) + 0.5 * g * (1 - t * t) * k * (1 + 3 * c * g * g)
 
 
+def check_gated(
+    grad: torch.Tensor, gate: torch.Tensor, second: torch.Tensor, kind: str, act: torch.Tensor | None
+) -> None:
+    """The arguments of gated_backward make sense: a known kind, one shape and dtype for all tensors."""
+    if kind not in GATED_KINDS:
+        raise ValueError(f"gated_backward: unknown activation kind {kind!r}; expected gelu, gelu_tanh or silu")
+    tensors = (grad, gate, second) if act is None else (grad, gate, second, act)
+    if len({t.shape for t in tensors}) > 1 or len({t.dtype for t in tensors}) > 1:
+        described = ", ".join(f"{tuple(t.shape)} {t.dtype}" for t in tensors)
+        raise ValueError(f"gated_backward: grad, gate, second (and act) must share shape and dtype, got {described}")
+
+
 def gated_backward(
-    grad: torch.Tensor, gate: torch.Tensor, second: torch.Tensor, kind: str, recover_up: bool
+    grad: torch.Tensor, gate: torch.Tensor, second: torch.Tensor, kind: str, act: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    if not grad.shape == gate.shape == second.shape or not grad.dtype == gate.dtype == second.dtype:
-        raise ValueError(
-            f"gated_backward: grad, gate and second must share shape and dtype, got {tuple(grad.shape)} {grad.dtype}, "
-            f"{tuple(gate.shape)} {gate.dtype}, {tuple(second.shape)} {second.dtype}"
-        )
+    check_gated(grad, gate, second, kind, act)
     acc = accumulate_dtype(grad.dtype)
     value, slope = activation_and_slope(gate.to(acc), kind)
-    value = value.to(grad.dtype).to(acc)  # as the forward's product saw it
+    value = (value.to(grad.dtype) if act is None else act).to(acc)  # as the forward's product saw it
     up = second.to(acc)
-    if recover_up:
+    if act is not None:
         up = torch.where(value != 0, up / value, torch.zeros_like(up))
     grad_acc = grad.to(acc)
     return (grad_acc * up * slope).to(grad.dtype), (grad_acc * value).to(grad.dtype)

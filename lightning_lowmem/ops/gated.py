@@ -7,10 +7,12 @@ saves. This op saves two, or effectively one:
 - ``mode="gate_up"`` saves ``gate`` and ``up`` and recomputes ``act`` and ``act'`` in backward
   (what Liger Kernel's fused SwiGLU saves). Exact.
 - ``mode="gate"`` saves ``gate`` and its own output ``h``, and recovers ``up = h / act(gate)`` in
-  backward. When the down projection saves ``h`` anyway (trainable, or LoRA on it), that is the
-  same storage, so ``gate`` is the only extra activation. Exact up to the rounding of ``h`` to its
-  dtype; where ``act(gate) == 0`` exactly, ``up`` is unknown and taken as 0, which changes the
-  gradient only where ``gate == 0`` exactly while ``up != 0`` (``act'(0) = 0.5``).
+  backward, with ``act(gate)`` recomputed by the very op (and on the very memory layout) the
+  forward used, so it divides by the bits the forward multiplied with. When the down projection
+  saves ``h`` anyway (trainable, or LoRA on it), that is the same storage, so ``gate`` is the only
+  extra activation. Exact up to the rounding of ``h`` to its dtype; where ``act(gate) == 0``
+  exactly, ``up`` is unknown and taken as 0, which changes the gradient only where ``gate == 0``
+  exactly while ``up != 0`` (``act'(0) = 0.5``).
 """
 
 from __future__ import annotations
@@ -30,20 +32,35 @@ class GatedActivationFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate: torch.Tensor, up: torch.Tensor, kind: str, recover_up: bool) -> torch.Tensor:
         h = kernels.torch_ops.stock_activation(gate, kind) * up  # on the inputs as given: stock bits
-        # contiguous copies of strided halves (timm's packed fc1), not views that keep both alive
-        ctx.save_for_backward(gate.contiguous(), h if recover_up else up.contiguous())
+        # a contiguous copy of a strided half (timm's packed fc1), not a view that keeps both halves alive;
+        # an expanded gate is kept as it is (it holds fewer elements than a copy)
+        saved_gate = gate if 0 in gate.stride() else gate.contiguous()
+        ctx.save_for_backward(saved_gate, h if recover_up else up.contiguous())
         ctx.kind, ctx.recover_up = kind, recover_up
+        ctx.layout = None if saved_gate is gate else (gate.size(), gate.stride())
         return h
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         refuse_double_backward("gated_activation")
         gate, second = ctx.saved_tensors
+        act = forward_activation(gate, ctx.layout, ctx.kind) if ctx.recover_up else None
         grad_gate, grad_up = kernels.implementation(grad.device).gated_backward(
-            grad.to(gate.dtype).contiguous(), gate, second, ctx.kind, ctx.recover_up
+            grad.to(gate.dtype).contiguous(), gate, second, ctx.kind, act
         )
         needs_gate, needs_up, _, _ = ctx.needs_input_grad
         return grad_gate if needs_gate else None, grad_up if needs_up else None, None, None
+
+
+def forward_activation(
+    gate: torch.Tensor, layout: tuple[torch.Size, tuple[int, ...]] | None, kind: str
+) -> torch.Tensor:
+    """``act(gate)`` with the very bits the forward multiplied by: the stock op again, on the forward's
+    memory layout ``(size, stride)`` (None: ``gate``'s own), since ATen's CPU kernels round a strided
+    input differently from a contiguous one. Recovering ``up = h / act`` needs these exact bits."""
+    if layout is not None:
+        gate = torch.empty_strided(*layout, dtype=gate.dtype, device=gate.device).copy_(gate)
+    return kernels.torch_ops.stock_activation(gate, kind)
 
 
 def gated_activation(

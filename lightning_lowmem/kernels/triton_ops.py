@@ -1,0 +1,312 @@
+"""Triton implementation of the kernel contract of :mod:`.torch_ops`: the GPU path without nvcc.
+
+Triton ships with torch on Linux and compiles for the GPU at run time, so a pip-installed torch
+runs these kernels where the CUDA C++ extension cannot be built. With ``TRITON_INTERPRET=1`` in
+the environment when this module is first imported (Triton reads it when kernels are defined)
+the same kernels run on CPU tensors in Triton's interpreter: that is how CI tests them. fp64
+tensors take the pure-PyTorch path (training runs in fp32, bf16 and fp16).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+from collections.abc import Iterator
+
+import torch
+import triton
+import triton.language as tl
+
+from lightning_lowmem.kernels import torch_ops
+
+ELEMENTS_PER_PROGRAM = 1024  # element-wise kernels: elements per program (4 warps)
+MAX_NORM_BLOCK = 4096  # norms hold up to this many elements of a row at once and walk longer rows in chunks
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@triton.jit
+def _act_codes_kernel(x_ptr, thresholds_ptr, packed_ptr, numel, BITS: tl.constexpr, BYTES: tl.constexpr):
+    # A [BYTES, 8 / BITS] tile of elements; each row's codes, shifted into disjoint bit fields, sum to one byte.
+    PER_BYTE: tl.constexpr = 8 // BITS
+    byte = tl.program_id(0).to(tl.int64) * BYTES + tl.arange(0, BYTES)
+    slot = tl.arange(0, PER_BYTE)
+    index = byte[:, None] * PER_BYTE + slot[None, :]
+    inside = index < numel
+    x = tl.load(x_ptr + index, mask=inside, other=0.0).to(tl.float32)
+    code = tl.zeros([BYTES, PER_BYTE], dtype=tl.int32)
+    for t in tl.static_range((1 << BITS) - 1):  # thresholds padded with +inf, which nothing exceeds
+        code += (x > tl.load(thresholds_ptr + t)).to(tl.int32)
+    code = tl.where(inside, code, 0)
+    packed = tl.sum(code << (slot * BITS)[None, :], axis=1)
+    tl.store(packed_ptr + byte, packed.to(tl.uint8), mask=byte * PER_BYTE < numel)
+
+
+@triton.jit
+def _act_backward_kernel(grad_ptr, packed_ptr, levels_ptr, out_ptr, numel, BITS: tl.constexpr, BYTES: tl.constexpr):
+    PER_BYTE: tl.constexpr = 8 // BITS
+    byte = tl.program_id(0).to(tl.int64) * BYTES + tl.arange(0, BYTES)
+    slot = tl.arange(0, PER_BYTE)
+    index = byte[:, None] * PER_BYTE + slot[None, :]
+    inside = index < numel
+    packed = tl.load(packed_ptr + byte, mask=byte * PER_BYTE < numel, other=0).to(tl.int32)
+    code = (packed[:, None] >> (slot * BITS)[None, :]) & ((1 << BITS) - 1)
+    level = tl.load(levels_ptr + code)  # a table of 2^BITS values: the gathers hit the cache
+    grad = tl.load(grad_ptr + index, mask=inside, other=0.0).to(tl.float32)
+    tl.store(out_ptr + index, (grad * level).to(out_ptr.dtype.element_ty), mask=inside)
+
+
+@triton.jit
+def _norm_forward_kernel(x_ptr, z_ptr, rstd_ptr, dim, eps, CENTER: tl.constexpr, BLOCK: tl.constexpr):
+    # One row per program in chunks of BLOCK. LayerNorm merges each chunk's mean and centered sum of
+    # squares into the row's (Chan et al.): fp32 statistics as accurate as two passes, the row read twice.
+    row = tl.program_id(0).to(tl.int64)
+    x_ptr += row * dim
+    z_ptr += row * dim
+    cols = tl.arange(0, BLOCK)
+    mean = 0.0
+    m2 = 0.0
+    for start in range(0, dim, BLOCK):
+        inside = start + cols < dim
+        x = tl.load(x_ptr + start + cols, mask=inside, other=0.0).to(tl.float32)
+        if CENTER:
+            count = tl.minimum(dim - start, BLOCK).to(tl.float32)
+            chunk_mean = tl.sum(x, axis=0) / count
+            centered = tl.where(inside, x - chunk_mean, 0.0)
+            delta = chunk_mean - mean
+            total = start + count
+            mean += delta * (count / total)
+            m2 += tl.sum(centered * centered, axis=0) + delta * delta * (start * count / total)
+        else:
+            m2 += tl.sum(x * x, axis=0)
+    rstd = tl.math.rsqrt(m2 / dim + eps)
+    tl.store(rstd_ptr + row, rstd)
+    for start in range(0, dim, BLOCK):
+        inside = start + cols < dim
+        x = tl.load(x_ptr + start + cols, mask=inside, other=0.0).to(tl.float32)
+        tl.store(z_ptr + start + cols, ((x - mean) * rstd).to(z_ptr.dtype.element_ty), mask=inside)
+
+
+@triton.jit
+def _norm_backward_kernel(grad_ptr, z_ptr, rstd_ptr, out_ptr, dim, CENTER: tl.constexpr, BLOCK: tl.constexpr):
+    # Paper, algorithms 2-3: dx = rstd * (g - mean(g) - z * mean(g*z)); RMSNorm drops mean(g).
+    row = tl.program_id(0).to(tl.int64)
+    grad_ptr += row * dim
+    z_ptr += row * dim
+    out_ptr += row * dim
+    cols = tl.arange(0, BLOCK)
+    sum_g = tl.zeros([BLOCK], dtype=tl.float32)
+    sum_gz = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, dim, BLOCK):
+        inside = start + cols < dim
+        g = tl.load(grad_ptr + start + cols, mask=inside, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + start + cols, mask=inside, other=0.0).to(tl.float32)
+        sum_g += g
+        sum_gz += g * z
+    mean_g = 0.0
+    if CENTER:
+        mean_g = tl.sum(sum_g, axis=0) / dim
+    mean_gz = tl.sum(sum_gz, axis=0) / dim
+    rstd = tl.load(rstd_ptr + row)
+    for start in range(0, dim, BLOCK):
+        inside = start + cols < dim
+        g = tl.load(grad_ptr + start + cols, mask=inside, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + start + cols, mask=inside, other=0.0).to(tl.float32)
+        dx = rstd * ((g - mean_g) - z * mean_gz)
+        tl.store(out_ptr + start + cols, dx.to(out_ptr.dtype.element_ty), mask=inside)
+
+
+@triton.jit
+def _sigmoid(x):
+    e = tl.exp(-tl.abs(x))  # never overflows, unlike exp(-x)
+    return tl.where(x >= 0, 1.0, e) / (1.0 + e)
+
+
+@triton.jit
+def _gated_backward_kernel(
+    grad_ptr,
+    gate_ptr,
+    second_ptr,
+    act_ptr,
+    grad_gate_ptr,
+    grad_up_ptr,
+    numel,
+    KIND: tl.constexpr,
+    RECOVER_UP: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    index = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    inside = index < numel
+    grad = tl.load(grad_ptr + index, mask=inside, other=0.0).to(tl.float32)
+    gate = tl.load(gate_ptr + index, mask=inside, other=0.0).to(tl.float32)
+    second = tl.load(second_ptr + index, mask=inside, other=0.0).to(tl.float32)
+    # act(gate) and act'(gate) by the formulas of csrc/lowmem_math.h; tanh-GELU through
+    # 0.5 * (1 + tanh(u)) = sigmoid(2u), the same function without a tanh (which Triton's interpreter lacks).
+    if KIND == "silu":
+        s = _sigmoid(gate)
+        value = gate * s
+        slope = s * (1.0 + gate * (1.0 - s))
+    elif KIND == "gelu":
+        cdf = 0.5 * (1.0 + tl.math.erf(gate * 0.7071067811865476))  # 1 / sqrt(2)
+        value = gate * cdf
+        slope = cdf + gate * tl.exp(-0.5 * gate * gate) * 0.3989422804014327  # 1 / sqrt(2 pi)
+    else:
+        k = 0.7978845608028654  # sqrt(2 / pi)
+        s = _sigmoid(2.0 * k * (gate + 0.044715 * gate * gate * gate))
+        value = gate * s
+        slope = s + 2.0 * k * gate * s * (1.0 - s) * (1.0 + 3.0 * 0.044715 * gate * gate)
+    if RECOVER_UP:  # second is h = act * up, act the forward's own bits: up = h / act (0 where act == 0)
+        value = tl.load(act_ptr + index, mask=inside, other=0.0).to(tl.float32)
+        up = tl.where(value != 0.0, tl.math.div_rn(second, tl.where(value != 0.0, value, 1.0)), 0.0)
+    else:  # second is up; act rounded to the dtype, as the forward's product saw it
+        value = value.to(grad_ptr.dtype.element_ty).to(tl.float32)
+        up = second
+    tl.store(grad_gate_ptr + index, (grad * up * slope).to(grad_gate_ptr.dtype.element_ty), mask=inside)
+    tl.store(grad_up_ptr + index, (grad * value).to(grad_up_ptr.dtype.element_ty), mask=inside)
+
+
+# Decided when the kernels above were defined: True when they run in Triton's interpreter.
+INTERPRETED = not isinstance(_act_codes_kernel, triton.runtime.JITFunction)
+
+
+@contextlib.contextmanager
+def _launching_on(op: str, x: torch.Tensor) -> Iterator[None]:
+    """Launch on ``x``'s GPU (Triton launches on the current device); CPU tensors only when interpreted."""
+    if x.is_cuda:
+        with torch.cuda.device(x.device):
+            yield
+    elif x.device.type == "cpu" and INTERPRETED:
+        yield
+    else:
+        raise RuntimeError(
+            f"{op}: the Triton kernels run on CUDA tensors, and on CPU tensors only in Triton's interpreter "
+            f"(TRITON_INTERPRET=1 set before lightning_lowmem first uses Triton); got a tensor on {x.device}"
+        )
+
+
+def _check_float(op: str, name: str, t: torch.Tensor) -> None:
+    if t.dtype not in _DTYPES:
+        raise TypeError(f"{op}: unsupported dtype {t.dtype} for {name}; supported: float16, bfloat16, float32, float64")
+
+
+@functools.cache
+def _table(values: tuple[float, ...], size: int, pad: float, device: torch.device) -> torch.Tensor:
+    """``values`` padded with ``pad`` to ``size`` fp32 entries, on ``device`` (made once per table)."""
+    return torch.tensor(values + (pad,) * (size - len(values)), dtype=torch.float32, device=device)
+
+
+def act_codes(x: torch.Tensor, thresholds: tuple[float, ...]) -> torch.Tensor:
+    if x.dtype == torch.float64:
+        return torch_ops.act_codes(x, thresholds)
+    _check_float("act_codes", "x", x)
+    bits = torch_ops.storage_bits(len(thresholds))
+    if list(thresholds) != sorted(thresholds):
+        raise ValueError("act_codes: thresholds must be ascending")
+    packed = torch.empty(torch_ops.packed_bytes(x.numel(), bits), dtype=torch.uint8, device=x.device)
+    if x.numel() == 0:
+        return packed
+    per_program = ELEMENTS_PER_PROGRAM * bits // 8
+    table = _table(tuple(thresholds), (1 << bits) - 1, math.inf, x.device)
+    with _launching_on("act_codes", x):
+        _act_codes_kernel[(triton.cdiv(packed.numel(), per_program),)](
+            x.contiguous(), table, packed, x.numel(), BITS=bits, BYTES=per_program
+        )
+    return packed
+
+
+def act_backward(grad: torch.Tensor, packed: torch.Tensor, levels: tuple[float, ...]) -> torch.Tensor:
+    if grad.dtype == torch.float64:
+        return torch_ops.act_backward(grad, packed, levels)
+    _check_float("act_backward", "grad", grad)
+    if packed.dtype != torch.uint8:
+        raise TypeError(f"act_backward: packed codes must be uint8, got {packed.dtype}")
+    bits = torch_ops.level_bits(len(levels))
+    if packed.numel() != torch_ops.packed_bytes(grad.numel(), bits):
+        raise ValueError(f"act_backward: {packed.numel()} packed bytes do not hold {grad.numel()} codes of {bits} bits")
+    grad = grad.contiguous()
+    out = torch.empty_like(grad)
+    if grad.numel() == 0:
+        return out
+    per_program = ELEMENTS_PER_PROGRAM * bits // 8
+    table = _table(tuple(levels), 1 << bits, levels[-1], grad.device)
+    with _launching_on("act_backward", grad):
+        _act_backward_kernel[(triton.cdiv(packed.numel(), per_program),)](
+            grad, packed.contiguous(), table, out, grad.numel(), BITS=bits, BYTES=per_program
+        )
+    return out
+
+
+def _rows(op: str, t: torch.Tensor, dim: int) -> int:
+    if dim <= 0 or t.numel() % dim:
+        raise ValueError(f"{op}: cannot normalize {t.numel()} elements over trailing size {dim}")
+    return t.numel() // dim
+
+
+def _norm_settings(dim: int) -> tuple[int, int]:
+    """Chunk length and warps for rows of ``dim`` elements (Liger Kernel's warps per block size)."""
+    block = min(triton.next_power_of_2(dim), MAX_NORM_BLOCK)
+    return block, 8 if block >= 2048 else 4
+
+
+def norm_forward(
+    x: torch.Tensor, dim: int, eps: float, center: bool, out_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if x.dtype == torch.float64:
+        return torch_ops.norm_forward(x, dim, eps, center, out_dtype)
+    _check_float("norm_forward", "x", x)
+    if not eps > 0:
+        raise ValueError(f"norm_forward: eps must be positive, got {eps}")
+    rows = _rows("norm_forward", x, dim)
+    z = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
+    if rows == 0:
+        return z, rstd
+    block, warps = _norm_settings(dim)
+    with _launching_on("norm_forward", x):
+        _norm_forward_kernel[(rows,)](x.contiguous(), z, rstd, dim, eps, CENTER=center, BLOCK=block, num_warps=warps)
+    return z, rstd
+
+
+def norm_backward(
+    grad: torch.Tensor, z: torch.Tensor, rstd: torch.Tensor, dim: int, center: bool, dtype: torch.dtype
+) -> torch.Tensor:
+    if z.dtype == torch.float64:
+        return torch_ops.norm_backward(grad, z, rstd, dim, center, dtype)
+    _check_float("norm_backward", "grad", grad)
+    _check_float("norm_backward", "z", z)
+    if grad.shape != z.shape:
+        raise ValueError(f"norm_backward: grad shape {tuple(grad.shape)} differs from output shape {tuple(z.shape)}")
+    rows = _rows("norm_backward", z, dim)
+    if rstd.numel() != rows or rstd.dtype != torch.float32:
+        raise ValueError(
+            f"norm_backward: expected {rows} rstd values of dtype float32, got {rstd.numel()} of {rstd.dtype}"
+        )
+    grad_input = torch.empty(z.shape, dtype=dtype, device=z.device)
+    if rows == 0:
+        return grad_input
+    block, warps = _norm_settings(dim)
+    with _launching_on("norm_backward", z):
+        _norm_backward_kernel[(rows,)](
+            grad.contiguous(), z.contiguous(), rstd.contiguous(), grad_input, dim, CENTER=center, BLOCK=block,
+            num_warps=warps,
+        )  # fmt: skip
+    return grad_input
+
+
+def gated_backward(
+    grad: torch.Tensor, gate: torch.Tensor, second: torch.Tensor, kind: str, act: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    torch_ops.check_gated(grad, gate, second, kind, act)
+    if grad.dtype == torch.float64:
+        return torch_ops.gated_backward(grad, gate, second, kind, act)
+    _check_float("gated_backward", "grad", grad)
+    grad = grad.contiguous()
+    grad_gate, grad_up = torch.empty_like(grad), torch.empty_like(grad)
+    if grad.numel() == 0:
+        return grad_gate, grad_up
+    with _launching_on("gated_backward", grad):
+        _gated_backward_kernel[(triton.cdiv(grad.numel(), ELEMENTS_PER_PROGRAM),)](
+            grad, gate.contiguous(), second.contiguous(), None if act is None else act.contiguous(),
+            grad_gate, grad_up, grad.numel(), KIND=kind, RECOVER_UP=act is not None, BLOCK=ELEMENTS_PER_PROGRAM,
+        )  # fmt: skip
+    return grad_gate, grad_up
