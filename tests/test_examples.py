@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import io
+import json
+import math
+import re
+import statistics
 from pathlib import Path
 
 import pytest
 import torch
 
 from examples import compare, llama_finetune, vit_finetune
+from lightning_lowmem import kernels
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "examples" / "configs").glob("*.yaml"))
 SCRIPTS = {"vit": vit_finetune, "llama": llama_finetune}
@@ -47,12 +53,43 @@ def test_method_switches_on_from_the_command_line(tmp_path):
     assert any(type(m).__name__ == "ReGELU2" for m in cli.model.modules())
 
 
-def test_main_job_prints_the_saving(capsys, tmp_path):
-    results = compare.main(["--epochs", "1", "--limit-batches", "2", "--batch-size", "8", "--root", str(tmp_path)])
+def test_main_job_prints_and_draws_the_comparison(capsys, tmp_path):
+    runs = compare.main(["--epochs", "2", "--limit-batches", "3", "--batch-size", "4", "--root", str(tmp_path)])
     out = capsys.readouterr().out
+    summary = json.loads((tmp_path / "compare.json").read_text())
+    assert summary["runs"] == runs
+    base, low = runs["baseline"], runs["lowmem"]
+    assert low["activation_mib"][-1] < 0.8 * base["activation_mib"][-1]
+    assert all(math.isfinite(loss) for loss in base["val_loss"] + low["val_loss"])
+
+    # the header says what ran where; accuracy and loss change as differences, step time as median and IQR
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    assert summary["kernels"] == kernels.backend(device)
+    assert f"{summary['device']}, lightning-lowmem kernels: {summary['kernels']}" in out
+    acc = [100 * run["val_acc"][-1] for run in (base, low)]
+    assert re.search(rf"val acc %\s+{acc[0]:.1f}\s+{acc[1]:.1f}\s+{acc[1] - acc[0]:+.1f} pts", out)
+    assert re.search(r"val loss\s+\S+\s+\S+\s+[+-]\d\.\d{3}\n", out)
+    assert re.search(r"step ms, median\s+[\d.]+\s+[\d.]+\s+[+-][\d.]+%\nstep ms, IQR\s+[\d.]+-[\d.]+\s", out)
     assert "Activation memory saved by lightning-lowmem" in out
-    assert results["lowmem"]["activation MiB"] < 0.8 * results["baseline"]["activation MiB"]
-    assert torch.isfinite(torch.tensor(results["lowmem"]["train loss"]))
+
+    figure = compare.figure(summary)
+    buffer = io.BytesIO()
+    figure.savefig(buffer, dpi=100)
+    assert (tmp_path / "compare.png").read_bytes() == buffer.getvalue()  # the picture is the JSON, drawn
+    memory, step, accuracy = figure.axes
+    assert [ax.get_title() for ax in figure.axes] == [
+        "Activations (saved for backward)", "Step time (median, quartiles)", "Validation accuracy"
+    ]  # fmt: skip
+    for ax, key, scale in ((memory, "activation_mib", 1), (accuracy, "val_acc", 100)):
+        lines = {line.get_label(): list(line.get_ydata()) for line in ax.get_lines()}
+        assert lines == {name: [scale * v for v in runs[name][key]] for name in ("baseline", "lowmem")}
+        assert [tick for tick in ax.get_xticks() if ax.get_xlim()[0] <= tick <= ax.get_xlim()[1]] == [0, 1]
+    saved = 100 * (1 - low["activation_mib"][-1] / base["activation_mib"][-1])
+    assert memory.texts[0].get_text() == f"lowmem saves {saved:.1f}%"
+    assert [tick.get_text() for tick in step.get_xticklabels()] == ["baseline", "lowmem"]
+    flat = {line.get_ydata()[0] for line in step.get_lines() if len(set(line.get_ydata())) == 1}
+    assert {statistics.median(run["step_ms"]) for run in (base, low)} <= flat  # the median bars
+    assert summary["kernels"] in figure.get_suptitle()
 
 
 def test_stdlib_text_is_real_python_source():

@@ -330,10 +330,11 @@ def test_module_png_shows_where_memory_goes_and_what_lowmem_did(lowmem_run):
         widths = dict(zip(labels, (bar.get_width() for bar in bars)))
         assert widths["blocks.*.3 ×2"] == pytest.approx(by_module["blocks.0.3"] + by_module["blocks.1.3"])
         assert widths["norm"] == pytest.approx(by_module["norm"])
-    notes = {labels[round(text.get_position()[1])]: text.get_text() for text in ax.texts}
-    assert notes["blocks.*.0"] == "→ MS-LN"  # block 0's norm saves nothing: its input needs no gradient
-    assert notes["blocks.*.2 ×2"] == "→ ReGELU2 (erf)"
-    assert notes["norm"] == "left alone: output is returned from the model"
+    notes = {labels[round(text.get_position()[1])].split(" ×")[0]: text.get_text() for text in ax.texts}
+    details = {entry["name"]: entry["detail"] for entry in lowmem["entries"]}
+    assert notes["blocks.*.0"] == "→ MS-LN"
+    assert notes["blocks.*.2"] == f"→ {details['blocks.0.2']}" == "→ ReGELU2 (erf)"
+    assert notes["norm"] == f"left alone: {details['norm']}"
     assert ax.get_xlabel() == "MiB saved for backward"
     assert figure.get_suptitle().startswith("Where activation memory goes")
 
