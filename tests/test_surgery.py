@@ -215,7 +215,7 @@ def test_swin_roll_keeps_norm1():
     model, report = converted(stock, x)
     by_name = {e.name: e for e in report.entries}
     assert by_name["layers.0.blocks.0.norm1"].status == "left alone"
-    assert "output reaches" in by_name["layers.0.blocks.0.norm1"].detail
+    assert "no linear layer reads its output (first read by" in by_name["layers.0.blocks.0.norm1"].detail
     assert by_name["layers.0.blocks.0.norm2"].status == "converted"
     assert_same_outputs(stock, model, x)
     assert_grads_close(grads(stock, x), grads(converted(stock, x, activation=False)[0], x))
@@ -245,18 +245,91 @@ def test_llama_lora():
         assert saved(model, x, autocast) < 0.9 * saved(stock, x, autocast)
 
 
-def test_bert_post_ln_norms_stay_and_gelu_converts():
+def plain_bert(mlm: bool = False) -> nn.Module:
+    config = transformers.BertConfig(  # BERT's proportions (intermediate = 4 x hidden), tiny
+        vocab_size=128, hidden_size=64, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, max_position_embeddings=64, num_labels=3, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    cls = transformers.BertForMaskedLM if mlm else transformers.BertForSequenceClassification
+    return cls(config)
+
+
+def test_bert_post_ln_norms_convert_and_residual_readers_get_the_stock_output():
+    """Post-LN: each LayerNorm feeds the next sublayer's linears *and* the residual add."""
+    torch.manual_seed(0)
     stock, x = tiny_bert(), tokens()
     model, report = converted(stock, x)
     base = "base_model.model.bert."
     assert report.status(base + "encoder.layer.0.intermediate.intermediate_act_fn") == "converted"
-    assert report.status(base + "encoder.layer.0.attention.output.LayerNorm") == "left alone"
-    assert report.status(base + "embeddings.LayerNorm") == "left alone"
-    assert not any(isinstance(m, MemorySharingNorm) for m in model.modules())
+    for layer in ("0", "1"):
+        assert report.status(base + f"encoder.layer.{layer}.attention.output.LayerNorm") == "converted"
+    assert report.status(base + "embeddings.LayerNorm") == "converted"
     assert_same_outputs(stock, model, x)
     torch.manual_seed(0)
     assert_same_outputs(stock_twin(tiny_bert, model), model, x)
+    assert_grads_close(grads(stock, x), grads(converted(stock, x, activation=False)[0], x))
     assert saved(model, x, False) < saved(stock, x, False)
+
+
+def test_bert_full_fine_tuning_saves_a_third_and_converts_two_norms_per_layer():
+    torch.manual_seed(0)
+    stock, x = plain_bert(), tokens()
+    model, report = converted(stock, x)
+    left = [e for e in report.entries if e.kind == "norm" and e.status != "converted"]
+    assert [e.name for e in left] == ["bert.encoder.layer.1.output.LayerNorm"]  # the pooler reads a slice
+    assert "first read by __getitem__" in left[0].detail
+    assert sum(e.kind == "norm" for e in report.converted) == 4
+    assert saved(model, x, False) <= 0.7 * saved(stock, x, False)
+    _, mlm = converted(plain_bert(mlm=True), x)
+    assert sum(e.kind == "norm" for e in mlm.converted) == 1 + 2 * 2 + 1  # embeddings, two per layer, MLM head
+    assert_grads_close(grads(stock, x), grads(converted(stock, x, activation=False)[0], x))
+
+
+def test_readers_the_example_call_never_exercised_get_the_stock_output():
+    """hidden states asked for later, a kwarg-gated branch, a forward hook on the norm's output."""
+    torch.manual_seed(0)
+    stock, x = plain_bert(mlm=True), tokens()
+    model, report = converted(stock, x)  # the example call returns logits only
+    last = "bert.encoder.layer.1.output.LayerNorm"
+    assert report.status(last) == "converted"
+    with torch.no_grad():
+        ours = model.eval()(x, output_hidden_states=True, return_dict=True).hidden_states
+        theirs = stock.eval()(x, output_hidden_states=True, return_dict=True).hidden_states
+        ours_tuple = model(x, output_hidden_states=True, return_dict=False)[1]
+    for a, b, c in zip(theirs, ours, ours_tuple):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(c, a, rtol=1e-4, atol=1e-4)
+    seen = []
+    model.get_submodule(last).register_forward_hook(lambda m, a, out: seen.append(out.detach()))
+    stock.get_submodule(last).register_forward_hook(lambda m, a, out: seen.append(out.detach()))
+    model.train()(x)
+    stock.train()(x)
+    torch.testing.assert_close(seen[0], seen[1], rtol=1e-4, atol=1e-4)
+
+
+def test_a_kwarg_gated_branch_reads_the_stock_output():
+    class Branchy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm, self.fc = nn.LayerNorm(16), nn.Linear(16, 16)
+            nn.init.normal_(self.norm.weight)
+
+        def forward(self, x, extra: bool = False):
+            h = self.norm(x)
+            out = self.fc(h)
+            return (out, h * 3) if extra else out
+
+    stock, x = Branchy(), torch.randn(2, 16)
+    model, report = converted(stock, x)
+    assert report.status("norm") == "converted"
+    out, h = model(x, extra=True)
+    ref_out, ref_h = stock(x, extra=True)
+    torch.testing.assert_close(h, ref_h)
+    torch.testing.assert_close(out, ref_out)
+    (out.sum() + h.square().sum()).backward()
+    (ref_out.sum() + ref_h.square().sum()).backward()
+    torch.testing.assert_close(model.norm.weight.grad, stock.norm.weight.grad)
 
 
 # -- custom model, options, errors ----------------------------------------------------------
@@ -264,7 +337,7 @@ def test_custom_model():
     stock, x = Custom(), torch.randn(4, 8, 32)
     model, report = converted(stock, x)
     assert report.status("norm_a") == "converted" and report.status("norm_b") == "converted"
-    assert report.status("norm_c") == "left alone"  # residual add
+    assert report.status("norm_c") == "converted"  # its residual reader gets the stock output
     assert model.act is model.acts[1] and isinstance(model.act, ReGELU2)  # shared module, replaced everywhere
     assert model.act.approximate == "tanh" and isinstance(model.acts[0], ReSiLU2)
     functional = [e for e in report.entries if e.kind == "functional"]
@@ -294,9 +367,12 @@ def test_include_exclude_and_bad_options():
     assert report.status("norm_b") == "converted"
     assert "norm_a" not in {e.name for e in report.entries}
     _, report = converted(stock, x, include="norm_*", activation=False)
-    assert {e.name for e in report.converted} == {"norm_a", "norm_b"}
-    _, report = converted(stock, x, exclude="up")  # a consumer excluded: its norm stays
-    assert report.status("norm_a") == "left alone"
+    assert {e.name for e in report.converted} == {"norm_a", "norm_b", "norm_c"}
+    model, report = converted(stock, x, exclude="up")  # an excluded consumer stays stock, the other shares
+    assert "shared with gate" in next(e.detail for e in report.entries if e.name == "norm_a")
+    assert type(model.up) is nn.Linear and model.gate.norm is model.norm_a
+    _, report = converted(stock, x, exclude=["up", "gate"])
+    assert "consumer gate is excluded" in next(e.detail for e in report.entries if e.name == "norm_a")
     with pytest.raises(ValueError, match="matches no module"):
         apply_lowmem(Custom(), include="nope.*")
     with pytest.raises(ValueError, match="activation must be"):
@@ -348,9 +424,9 @@ def test_hooked_modules_are_left_alone():
     model.up.register_forward_hook(lambda m, a, out: seen.append(out.shape))
     model.act.register_forward_pre_hook(lambda m, a: None)
     report = apply_lowmem(model, example_input=x)
-    assert "has hooks" in next(e.detail for e in report.entries if e.name == "norm_a")
+    assert "shared with gate" in next(e.detail for e in report.entries if e.name == "norm_a")  # not up
     assert "has hooks" in next(e.detail for e in report.entries if e.name == "act")
-    assert type(model.up) is nn.Linear and isinstance(model.norm_b, MemorySharingNorm)
+    assert type(model.up) is nn.Linear and isinstance(model.norm_a, MemorySharingNorm)
     model(x)
     assert seen
 

@@ -14,6 +14,7 @@ from abc import ABC, abstractmethod
 import torch
 from torch import nn
 
+from lightning_lowmem.nn.norm import is_norm_output
 from lightning_lowmem.nn.peft import saves_its_input
 from lightning_lowmem.ops.activation_registry import get_activation
 from lightning_lowmem.ops.autocast import autocast_dtype
@@ -54,9 +55,10 @@ class GatedMLPBase(nn.Module, ABC):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         compute = autocast_dtype(x.device.type)
-        if x.dtype == torch.float32 and compute is not None:
+        if x.dtype == torch.float32 and compute is not None and not is_norm_output(x):
             # what autocast does in each projection anyway, once: gate and up (and their LoRA
-            # adapters) then save one half-precision copy of x instead of one each
+            # adapters) then save one half-precision copy of x instead of one each (a
+            # memory-sharing norm's output needs none: its consumers save the norm's tensor)
             x = x.to(compute)
         gate, up = self.gate_and_up(x)
         return self.output(gated_activation(gate, up, self.activation, self.resolved_mode()))

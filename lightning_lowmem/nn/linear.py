@@ -1,10 +1,11 @@
 """``LowMemLinear``: an ``nn.Linear`` (same parameters, same state_dict keys) that saves less.
 
-It is the consumer side of a memory-sharing norm: with ``norm`` set, its input is that norm's
-affine-free output ``z`` and it computes ``linear(norm.weight * z + norm.bias)``, saving only
-``z`` (:func:`~lightning_lowmem.ops.linear.affine_linear`). Under autocast it also recasts its
-weight from the parameter in backward instead of saving a half-precision copy. Outside
-autocast and without a norm it is exactly ``F.linear``.
+With ``norm`` set, it is a consumer of that memory-sharing norm: when its input is the norm's
+output it saves the norm's ``z`` instead of the input (:func:`~lightning_lowmem.ops.affine_linear`);
+any other input is an ordinary linear call. Under autocast it recasts its weight from the
+parameter in backward instead of saving a half-precision copy. Outside autocast it casts an
+input of another dtype to its weight's, as a peft LoRA layer's input cast would (surgery turns
+that copy off, see :func:`~lightning_lowmem.nn.peft.redundant_input_casts`).
 """
 
 from __future__ import annotations
@@ -13,13 +14,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_lowmem.nn.norm import MemorySharingNorm
+from lightning_lowmem.nn.norm import MemorySharingNorm, shared_from
+from lightning_lowmem.ops.affine import affine_linear
 from lightning_lowmem.ops.autocast import autocast_dtype
-from lightning_lowmem.ops.linear import affine_linear
 
 
 class LowMemLinear(nn.Linear):
-    """An ``nn.Linear`` that applies its input norm's affine and never saves a weight copy."""
+    """An ``nn.Linear`` that shares its input norm's saved tensor and never saves a weight copy."""
 
     def __init__(
         self, in_features: int, out_features: int, bias: bool = True, norm: MemorySharingNorm | None = None
@@ -28,8 +29,6 @@ class LowMemLinear(nn.Linear):
         # not a submodule: the norm is registered where it lives, and its parameters must not
         # appear twice in state_dict() / parameters()
         self.__dict__["norm"] = norm
-        if norm is not None:
-            norm.consumers += 1
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, norm: MemorySharingNorm | None = None) -> LowMemLinear:
@@ -40,14 +39,13 @@ class LowMemLinear(nn.Linear):
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gamma = beta = None
-        if self.norm is not None:
-            gamma, beta = self.norm.weight, self.norm.bias
+        z = None if self.norm is None else shared_from(x, self.norm)
         compute = autocast_dtype(x.device.type) if self.weight.is_floating_point() else None
-        if self.norm is None and compute is None:
-            return F.linear(x, self.weight, self.bias)
-        return affine_linear(x, self.weight, self.bias, gamma, beta, compute or self.weight.dtype)
+        if z is None and compute is None:
+            return F.linear(x if x.dtype == self.weight.dtype else x.to(self.weight.dtype), self.weight, self.bias)
+        gamma, beta = (None, None) if z is None else (self.norm.weight, self.norm.bias)
+        return affine_linear(x, self.weight, self.bias, compute or self.weight.dtype, z, gamma, beta)
 
     def extra_repr(self) -> str:
-        applies = ", applies the affine of its input norm" if self.norm is not None else ""
-        return f"{super().extra_repr()}, recasts weight in backward{applies}"
+        shares = ", saves its input norm's normalized output" if self.norm is not None else ""
+        return f"{super().extra_repr()}, recasts weight in backward{shares}"

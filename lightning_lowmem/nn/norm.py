@@ -1,12 +1,16 @@
 """Memory-sharing norm modules (MS-LN, MS-RMSNorm) over :mod:`lightning_lowmem.ops.norm`.
 
-A memory-sharing norm returns its affine-free output ``z``: that is the tensor it saves, and the
-very tensor its consumer linears save. Its affine ``gamma * z + beta`` therefore happens inside
-the consumers: the norm keeps ``weight`` / ``bias`` under their stock names (checkpoints load
-into the stock model and back) and each consumer is a
-:class:`~lightning_lowmem.nn.LowMemLinear` built with ``norm=`` this module, which applies them
-and counts itself in :attr:`consumers`. A norm with an affine but no consumer refuses to run
-rather than silently drop it. Model surgery builds exactly these modules.
+A memory-sharing norm saves its affine-free output ``z`` (and one fp32 rstd per row) instead of
+its input, and returns the stock output ``y = gamma * z + beta`` (:func:`~lightning_lowmem.ops.norm_affine`,
+which saves nothing new) tagged with ``z``. Every reader of ``y`` sees the stock values: residual
+adds, returned hidden states, hooks, anything. A :class:`~lightning_lowmem.nn.LowMemLinear` built
+with ``norm=`` this module recognises the tag and saves ``z`` in place of ``y``: the norm and all its
+consumer linears keep one tensor. ``weight`` / ``bias`` keep their stock names, so checkpoints load
+into the stock model and back. Model surgery builds exactly these modules.
+
+Under autocast the output comes in the autocast dtype (as :class:`~lightning_lowmem.LowMemPrecision`
+makes every norm's output), so stock linears reading it share one copy too; where a post-norm
+model adds it to the residual stream, that stream continues in the compute dtype.
 """
 
 from __future__ import annotations
@@ -16,11 +20,27 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
+from lightning_lowmem.ops.affine import norm_affine
 from lightning_lowmem.ops.norm import ms_layer_norm, ms_rms_norm
+
+_TAG = "_lowmem_shared_from"  # tensor attribute: (norm module, z) on a norm's output
+
+
+def shared_from(x: torch.Tensor, norm: nn.Module) -> torch.Tensor | None:
+    """The ``z`` that ``norm`` saved, when ``x`` is that norm's own output tensor (else ``None``)."""
+    tag = getattr(x, _TAG, None)
+    if tag is None or tag[0] is not norm:
+        return None
+    return x if tag[1] is None else tag[1]
+
+
+def is_norm_output(x: torch.Tensor) -> bool:
+    """Whether ``x`` is a memory-sharing norm's output (its consumers save the norm's ``z`` for it)."""
+    return hasattr(x, _TAG)
 
 
 class MemorySharingNorm(nn.Module):
-    """Shared plumbing of the two norms: shape, eps, the deferred affine, ``from_module``, repr."""
+    """Shared plumbing of the two norms: shape, eps, affine, ``from_module``, the tagged output."""
 
     stock: type[nn.Module]  # the torch module ``from_module`` takes
     op: Callable[..., torch.Tensor]  # the functional op
@@ -36,47 +56,30 @@ class MemorySharingNorm(nn.Module):
         shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
         self.normalized_shape, self.eps = shape, eps
         self.weight, self.bias = weight, bias
-        self.consumers = 0  # LowMemLinear layers that apply the affine
 
     @classmethod
-    def from_module(cls, module: nn.Module, defer_affine: bool = False):
-        """Build from the matching stock norm, keeping its own Parameter objects.
-
-        A norm with an affine needs ``defer_affine=True`` and then consumers that apply it
-        (``LowMemLinear.from_linear(linear, norm=new)``); otherwise it is refused.
-        """
+    def from_module(cls, module: nn.Module):
+        """Build from the matching stock norm, keeping its own Parameter objects (optimizers keep working)."""
         if not isinstance(module, cls.stock):
             raise TypeError(f"{cls.__name__}.from_module expects nn.{cls.stock.__name__}, got {type(module).__name__}")
-        weight, bias = module._parameters.get("weight"), module._parameters.get("bias")
-        if (weight is not None or bias is not None) and not defer_affine:
-            affine = [name for name, p in (("weight", weight), ("bias", bias)) if p is not None]
-            raise ValueError(
-                f"{cls.__name__}.from_module: {type(module).__name__} has affine parameters {affine}; a memory-sharing "
-                "norm returns its affine-free output, so its consumers must apply them: pass defer_affine=True and "
-                "build each consumer with LowMemLinear.from_linear(linear, norm=...) (lightning_lowmem.apply_lowmem "
-                "does both). Refusing to drop them silently."
-            )
         new = cls(module.normalized_shape, module.eps)
-        new.weight, new.bias = weight, bias
+        new.weight, new.bias = module._parameters.get("weight"), module._parameters.get("bias")
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (self.weight is not None or self.bias is not None) and not self.consumers:
-            raise RuntimeError(
-                f"{type(self).__name__} has an affine but no LowMemLinear consumer applies it; build its consumers "
-                "with LowMemLinear.from_linear(linear, norm=this_norm)"
-            )
         eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps
-        return self.op(x, self.normalized_shape, eps)
+        z = self.op(x, self.normalized_shape, eps)
+        y = norm_affine(z, self.weight, self.bias, z.dtype)  # z's dtype: the compute dtype under autocast
+        if torch.is_grad_enabled():  # only a training forward saves anything worth sharing
+            setattr(y, _TAG, (self, None if y is z else z))  # no reference cycle through y itself
+        return y
 
     def extra_repr(self) -> str:
-        has_affine = self.weight is not None or self.bias is not None
-        affine = f", affine applied by {self.consumers} consumers" if has_affine else ""
-        return f"{self.normalized_shape}, eps={self.eps}, saves=output+rstd{affine}"
+        return f"{self.normalized_shape}, eps={self.eps}, saves=normalized output+rstd"
 
 
 class MSLayerNorm(MemorySharingNorm):
-    """LayerNorm that returns (and saves) its affine-free output, shared with the next linear layers."""
+    """LayerNorm that saves its normalized output, shared with the linear layers reading it."""
 
     stock = nn.LayerNorm
     op = staticmethod(ms_layer_norm)
@@ -92,7 +95,7 @@ class MSLayerNorm(MemorySharingNorm):
 
 
 class MSRMSNorm(MemorySharingNorm):
-    """RMSNorm that returns (and saves) its affine-free output, shared with the next linear layers.
+    """RMSNorm that saves its normalized output, shared with the linear layers reading it.
 
     ``eps=None`` means ``torch.finfo(x.dtype).eps``, as in ``nn.RMSNorm``.
     """

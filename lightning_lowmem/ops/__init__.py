@@ -1,8 +1,8 @@
 """Autograd ops: the bottom layer, on top of the kernel backends."""
 
 from lightning_lowmem.ops.activation import regelu2, resilu2, step_activation
+from lightning_lowmem.ops.affine import affine_linear, norm_affine
 from lightning_lowmem.ops.gated import gated_activation
-from lightning_lowmem.ops.linear import affine_linear
 from lightning_lowmem.ops.norm import ms_layer_norm, ms_rms_norm
 
 __all__ = [
@@ -10,6 +10,7 @@ __all__ = [
     "gated_activation",
     "ms_layer_norm",
     "ms_rms_norm",
+    "norm_affine",
     "regelu2",
     "resilu2",
     "step_activation",

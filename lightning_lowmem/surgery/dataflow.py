@@ -1,14 +1,14 @@
-"""Where does each norm's output go? A probe forward on a real input answers it.
+"""Which linear layers read each norm's output? A probe forward on a real input answers it.
 
-Converting a norm changes what its output tensor *is* (the affine-free ``z``), so it is only
-correct if every reader of that tensor is a linear layer that takes over the affine. The probe
-tags each norm output and watches every torch function call (a ``TorchFunctionMode``) that
-touches it: the only allowed reader is ``F.linear`` called by an exact ``nn.Linear`` module on
-that tensor (a peft LoRA layer reads it through its ``base_layer`` and ``lora_A``, both
-``nn.Linear``). Anything else (a residual add, ``torch.roll``, a reshape, a dropout, being
-returned from the model) blocks the norm, with the reason. The probe runs in train mode with
-gradients and in eval mode without, so paths taken in only one mode are seen too; RNG and
-buffers are restored afterwards.
+A memory-sharing norm returns the stock output to every reader, so converting one is always
+correct; it saves memory where linear layers read that output and can save the norm's
+normalized tensor instead. The probe tags each norm output and watches every torch function
+call (a ``TorchFunctionMode``): a consumer is an exact ``nn.Linear`` module calling ``F.linear``
+on that very tensor (a peft LoRA layer reads it through its ``base_layer`` and ``lora_A``, both
+``nn.Linear``). Other readers (a residual add, a returned hidden state, a hook) are fine; a
+norm with no consumer, or whose consumers read it through a LoRA dropout (a copy), is left
+alone with the reason. The probe runs in train mode with gradients and in eval mode without,
+so paths taken in only one mode are seen too; RNG and buffers are restored afterwards.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ _FUNCTIONAL_ACTIVATIONS = {F.gelu: "gelu", F.silu: "silu"}
 
 @dataclass
 class Flow:
-    """What the probe found: each norm's consumer linears, or the reason it is blocked.
+    """What the probe found: each norm's consumer linears, or the reason it is left alone.
 
     ``functional`` maps module names to GELU/SiLU functions called directly in their forward
     (not swappable); ``outputs`` are the model's eval-mode outputs, a reference for checks.
@@ -80,6 +80,7 @@ class _Probe(TorchFunctionMode):
         super().__init__()
         self.flow, self.names, self.stack, self.activations, self.dropouts = flow, names, stack, activations, dropouts
         self.tagged: dict[int, tuple[torch.Tensor, str]] = {}
+        self.first_reader: dict[str, str] = {}  # norm -> its first reader that is no consumer
 
     def source(self, t: Any) -> str | None:
         entry = self.tagged.get(id(t)) if isinstance(t, torch.Tensor) else None
@@ -90,9 +91,9 @@ class _Probe(TorchFunctionMode):
         out = func(*args, **kwargs)
         here = self.stack[-1] if self.stack else None
         where = self.names.get(here) or "<root>"
-        if func in _FUNCTIONAL_ACTIVATIONS and here not in self.activations:
-            self.flow.functional[where].add(_op_name(func))
         name = _op_name(func)
+        if func in _FUNCTIONAL_ACTIVATIONS and here not in self.activations:
+            self.flow.functional[where].add(name)
         for t in tree_flatten((args, kwargs))[0]:
             norm = self.source(t)
             if norm is None or name in _METADATA or (name in _PASS_THROUGH and out is t):
@@ -100,9 +101,11 @@ class _Probe(TorchFunctionMode):
             if func is F.linear and args and args[0] is t and type(here) is nn.Linear and args[1] is here.weight:
                 self.flow.consumers[norm].add(where)
             elif here in self.dropouts:
-                self.flow.block(norm, f"LoRA dropout in {where} breaks sharing")
+                self.flow.block(
+                    norm, f"its linear reader in {where.rpartition('.lora_dropout')[0]} reads a LoRA dropout copy"
+                )
             else:
-                self.flow.block(norm, f"output reaches {name} in {where}")
+                self.first_reader.setdefault(norm, f"{name} in {where}")
         return out
 
 
@@ -141,15 +144,12 @@ def trace(model: nn.Module, example: Any, norms: dict[str, nn.Module], activatio
     flow = Flow()
     names = {module: name for name, module in model.named_modules()}
     by_module = {module: name for name, module in norms.items()}
-    linear_inputs: dict[str, set[str | None]] = defaultdict(set)
     called: set[str] = set()
     stack: list[nn.Module] = []
     probe = _Probe(flow, names, stack, activations, set(lora_dropouts(model)))
 
     def pre(module, args):
         stack.append(module)
-        if type(module) is nn.Linear:
-            linear_inputs[names[module]].add(probe.source(args[0]) if args else None)
 
     def post(module, args, output):
         stack.pop()
@@ -170,13 +170,8 @@ def trace(model: nn.Module, example: Any, norms: dict[str, nn.Module], activatio
         for train in (True, False):
             with isolated(model, train), probe:
                 outputs = call(model, example)
-            tensors = tensors_in(outputs)
-            for t in tensors:
-                norm = probe.source(t)
-                if norm is not None:
-                    flow.block(norm, "output is returned from the model")
-            flow.outputs = [t.detach().float() for t in tensors]
-            del outputs, tensors
+            flow.outputs = [t.detach().float() for t in tensors_in(outputs)]
+            del outputs
             probe.tagged.clear()
     finally:
         for handle in handles:
@@ -186,8 +181,6 @@ def trace(model: nn.Module, example: Any, norms: dict[str, nn.Module], activatio
         if norm not in called:
             flow.block(norm, "not called in the probe forward")
         elif not flow.consumers.get(norm):
-            flow.block(norm, "output reaches no linear layer")
-        for linear in flow.consumers.get(norm, ()):
-            if linear_inputs[linear] != {norm}:
-                flow.block(norm, f"consumer {linear} is also called on other inputs")
+            first = probe.first_reader.get(norm)
+            flow.block(norm, "no linear layer reads its output" + (f" (first read by {first})" if first else ""))
     return flow

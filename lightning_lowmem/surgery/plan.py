@@ -144,7 +144,7 @@ def nominate(model: nn.Module, options: Options) -> Candidates:
 
 
 def trace_norms(model: nn.Module, example: Any, found: Candidates, options: Options) -> dataflow.Flow:
-    """Which norms provably feed only linear layers that may take over their affine."""
+    """Which linear layers read each norm's output and may save its normalized tensor instead."""
     named = dict(model.named_modules())
     if example is None:
         flow = dataflow.Flow()
@@ -160,12 +160,12 @@ def trace_norms(model: nn.Module, example: Any, found: Candidates, options: Opti
             "nothing was changed"
         ) from err
     for name, consumers in flow.consumers.items():
-        excluded = sorted(c for c in consumers if options.excluded(c))
-        if excluded:
-            flow.block(name, f"consumer {excluded[0]} is excluded")
-        hooked = sorted(c for c in consumers if not is_plain(named[c]))
-        if hooked:
-            flow.block(name, f"consumer {hooked[0]} has hooks or a patched forward")
+        kept = {c for c in consumers if not options.excluded(c) and is_plain(named[c])}
+        if not kept:  # an excluded or hooked linear stays stock and reads the norm's output as it is
+            dropped = min(consumers)
+            why = "is excluded" if options.excluded(dropped) else "has hooks or a patched forward"
+            flow.block(name, f"its only linear readers stay stock (consumer {dropped} {why})")
+        consumers &= kept
     return flow
 
 
@@ -179,10 +179,10 @@ class Plan:
 
 
 def _norm_detail(name: str, spec: NormSpec, consumers: list[str]) -> str:
-    """E.g. ``MS-LN, affine applied by attn.qkv`` (consumer names relative to the norm's parent)."""
+    """E.g. ``MS-LN, shared with attn.qkv`` (consumer names relative to the norm's parent)."""
     kind = "MS-LN" if spec.kind == "layer" else "MS-RMSNorm"
     parent = name.rpartition(".")[0] + "." if "." in name else ""
-    return f"{kind}, affine applied by {', '.join(c.removeprefix(parent) for c in consumers)}"
+    return f"{kind}, shared with {', '.join(c.removeprefix(parent) for c in consumers)}"
 
 
 def _gated_detail(new: GatedMLPBase) -> str:

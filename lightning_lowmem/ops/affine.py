@@ -1,0 +1,129 @@
+"""The affine of a memory-sharing norm, and the linear layers that read its output, saving only ``z``.
+
+A memory-sharing norm saves its affine-free output ``z``. It still returns the stock output
+``y = gamma * z + beta`` (:func:`norm_affine`, which saves nothing new: ``z`` is already saved),
+so every reader sees the stock values. A linear layer that reads ``y`` can then save ``z`` in
+place of its input (:func:`affine_linear`) and recompute ``y`` in backward: the norm and all
+its consumer linears keep one tensor instead of two. Parameters are saved as they are and cast
+to the compute dtype again in backward: under autocast no half-precision weight copy is kept.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def _affine(z: torch.Tensor, gamma: torch.Tensor | None, beta: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """``gamma * z + beta`` in the parameters' precision, returned in ``dtype``."""
+    if gamma is None and beta is None:
+        return z.to(dtype)
+    param = gamma if gamma is not None else beta
+    out = z.to(param.dtype)
+    if gamma is not None:
+        out = out * gamma
+    if beta is not None:
+        out = out + beta
+    return out.to(dtype)
+
+
+def _rows(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``t`` as rows of ``like``'s shape, in ``like``'s dtype."""
+    return t.reshape(-1, *like.shape).to(like.dtype)
+
+
+def _affine_grads(
+    grad_y: torch.Tensor, z: torch.Tensor | None, gamma: torch.Tensor | None, beta: torch.Tensor | None, needs: tuple
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """Gradients of ``y = gamma * z + beta`` for ``z``, ``gamma``, ``beta`` (where ``needs`` says so)."""
+    needs_z, needs_gamma, needs_beta = needs
+    grad_z = grad_gamma = grad_beta = None
+    if needs_gamma:
+        grad_gamma = (_rows(grad_y, gamma) * _rows(z, gamma)).sum(0)
+    if needs_beta:
+        grad_beta = _rows(grad_y, beta).sum(0)
+    if needs_z:
+        grad_z = grad_y if gamma is None else grad_y.to(gamma.dtype) * gamma
+    return grad_z, grad_gamma, grad_beta
+
+
+class NormAffineFunction(torch.autograd.Function):
+    """``y = gamma * z + beta`` in ``dtype``, saving ``z`` (the norm's own saved tensor) only for ``gamma``."""
+
+    @staticmethod
+    def forward(ctx, z, gamma, beta, dtype: torch.dtype):
+        with torch.autocast(z.device.type, enabled=False):
+            y = _affine(z, gamma, beta, dtype)
+        ctx.save_for_backward(z if ctx.needs_input_grad[1] else None, gamma, beta)
+        ctx.z_dtype = z.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        z, gamma, beta = ctx.saved_tensors
+        grad_z, grad_gamma, grad_beta = _affine_grads(grad, z, gamma, beta, ctx.needs_input_grad[:3])
+        return None if grad_z is None else grad_z.to(ctx.z_dtype), grad_gamma, grad_beta, None
+
+
+def norm_affine(
+    z: torch.Tensor, gamma: torch.Tensor | None, beta: torch.Tensor | None, dtype: torch.dtype
+) -> torch.Tensor:
+    """The stock norm output ``gamma * z + beta`` in ``dtype``; ``z`` itself when there is nothing to do."""
+    if gamma is None and beta is None and z.dtype == dtype:
+        return z
+    return NormAffineFunction.apply(z, gamma, beta, dtype)
+
+
+class AffineLinearFunction(torch.autograd.Function):
+    """``F.linear(x, W, b)`` in ``dtype`` saving, instead of ``x``, the ``z`` with ``x = gamma * z + beta``
+    (or ``x`` in ``dtype`` when ``z`` is ``None``), and parameters only."""
+
+    @staticmethod
+    def forward(ctx, x, z, weight, bias, gamma, beta, dtype: torch.dtype):
+        with torch.autocast(x.device.type, enabled=False):
+            x_in = x.to(dtype)
+            out = F.linear(x_in, weight.to(dtype), None if bias is None else bias.to(dtype))
+        _, _, needs_w, _, needs_gamma, _, _ = ctx.needs_input_grad
+        # only the weight and gamma gradients read the input: a frozen linear saves none, as stock
+        saved = (x_in if z is None else z) if needs_w or needs_gamma else None
+        ctx.save_for_backward(saved, weight, gamma, beta)
+        ctx.dtype, ctx.x_dtype, ctx.shared = dtype, x.dtype, z is not None
+        ctx.z_dtype = None if z is None else z.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        saved, weight, gamma, beta = ctx.saved_tensors
+        needs_x, needs_z, needs_w, needs_b, needs_gamma, needs_beta, _ = ctx.needs_input_grad
+        dtype = ctx.dtype
+        grad = grad.to(dtype)
+        grad_2d = grad.reshape(-1, grad.shape[-1])
+        grad_x = grad_z = grad_w = grad_b = grad_gamma = grad_beta = None
+        if needs_w:
+            x = _affine(saved, gamma, beta, dtype) if ctx.shared else saved
+            grad_w = (grad_2d.t() @ x.reshape(-1, x.shape[-1])).to(weight.dtype)
+        if needs_b:
+            grad_b = grad_2d.sum(0).to(weight.dtype)
+        if needs_x or needs_z or needs_gamma or needs_beta:
+            grad_in = grad @ weight.to(dtype)
+            if not ctx.shared:
+                grad_x = grad_in.to(ctx.x_dtype)
+            else:
+                needs = (needs_z, needs_gamma, needs_beta)
+                grad_z, grad_gamma, grad_beta = _affine_grads(grad_in, saved, gamma, beta, needs)
+                grad_z = None if grad_z is None else grad_z.to(ctx.z_dtype)
+        return grad_x, grad_z, grad_w, grad_b, grad_gamma, grad_beta, None
+
+
+def affine_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    dtype: torch.dtype | None = None,
+    z: torch.Tensor | None = None,
+    gamma: torch.Tensor | None = None,
+    beta: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` computed in ``dtype`` (default: the weight's) that saves ``z`` for
+    backward where ``x = gamma * z + beta`` (a memory-sharing norm's output), else ``x`` in ``dtype``."""
+    return AffineLinearFunction.apply(x, z, weight, bias, gamma, beta, dtype or weight.dtype)
