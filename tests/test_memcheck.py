@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lightning_lowmem import apply_lowmem
-from lightning_lowmem.memcheck import BASELINE, Case, check, compare, load_baseline, measure
+from lightning_lowmem.memcheck import BASELINE, Case, ConfigError, check, compare, load_baseline, measure
 from lightning_lowmem.memcheck.__main__ import main
 from lightning_lowmem.memcheck.cases import CASES, llama
 
@@ -68,7 +68,8 @@ def test_user_wiring_from_the_command_line(tmp_path, monkeypatch, capsys):
     baseline = tmp_path / "baseline.json"
     common = ["--baseline", str(baseline)]
 
-    assert main(["--cases", "cases_v1:CASES", *common]) == 1  # no baseline yet
+    assert main(["--cases", "cases_v1:CASES", *common]) == 2  # no baseline yet: a configuration error
+    assert "does not exist; write it with --update" in capsys.readouterr().err
     assert main(["--cases", "cases_v1:CASES", "--update", *common]) == 0
     assert set(json.loads(baseline.read_text())["cases"]) == {"toy/fp32", "toy/lowmem-bf16"}
     assert main(["--cases", "cases_v1:CASES", *common]) == 0
@@ -94,6 +95,29 @@ def _toy():
     return nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4)), torch.randn(8, 16)
 
 
-def test_bad_cases_spec_is_refused():
-    with pytest.raises(SystemExit, match="package.module:CASES"):
-        main(["--cases", "no_colon"])
+def test_configuration_errors_exit_2_naming_the_file_and_the_fix(tmp_path, capsys):
+    """Not a regression (exit 1): CI must tell a broken set-up from a memory growth."""
+    baseline = tmp_path / "baseline.json"
+    cases = "lightning_lowmem.memcheck.cases:CASES"
+    for content, says in [
+        ("{not json", "is not a memcheck baseline (JSONDecodeError"),
+        ('{"cases": {"a": {"bytes": 1}}}', "is not a memcheck baseline (KeyError"),
+        ('{"cases": []}', "is not a memcheck baseline (AttributeError"),
+    ]:
+        baseline.write_text(content)
+        assert main(["--cases", cases, "--baseline", str(baseline), "--only", "vit/stock/32-true"]) == 2
+        err = capsys.readouterr().err
+        assert str(baseline) in err and says in err and "--update" in err
+    for spec, says in [
+        ("no_colon", "must look like 'package.module:CASES'"),
+        ("no_such_module_xyz:CASES", "cannot load the cases (ModuleNotFoundError"),
+        ("lightning_lowmem.memcheck.cases:NOPE", "cannot load the cases (AttributeError"),
+        ("lightning_lowmem.memcheck:BASELINE", "cannot load the cases (TypeError"),
+    ]:
+        assert main(["--cases", spec]) == 2
+        assert says in capsys.readouterr().err
+
+
+def test_a_baseline_is_read_before_anything_is_measured(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        check([Case("never/measured", lambda: 1 / 0)], tmp_path / "missing.json")

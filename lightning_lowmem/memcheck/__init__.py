@@ -142,19 +142,36 @@ def compare(figures: dict[str, int], baseline: dict[str, int], tolerance: float 
     return Result(ok=not failures, text="\n".join([*lines, verdict]))
 
 
-def _read(path: str | Path) -> dict[str, Any]:
+class ConfigError(Exception):
+    """The gate cannot run as configured (a baseline or case module it cannot use): not a regression."""
+
+
+def _read(path: str | Path, missing_ok: bool = False) -> tuple[dict[str, int], str | None]:
+    """Bytes by case name and the torch version the baseline was written with."""
     path = Path(path)
-    return json.loads(path.read_text()) if path.exists() else {"cases": {}}
+    if not path.exists():
+        if missing_ok:
+            return {}, None
+        raise ConfigError(f"baseline {path} does not exist; write it with --update (or pass --baseline PATH)")
+    try:
+        data = json.loads(path.read_text())
+        return {name: int(entry["saved_bytes"]) for name, entry in data["cases"].items()}, data.get("torch")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+        raise ConfigError(
+            f"baseline {path} is not a memcheck baseline ({type(err).__name__}: {err}); restore it from version "
+            "control or rewrite it with --update"
+        ) from err
 
 
-def load_baseline(path: str | Path) -> dict[str, int]:
-    """Bytes by case name from a baseline file (empty when the file does not exist)."""
-    return {name: int(entry["saved_bytes"]) for name, entry in _read(path)["cases"].items()}
+def load_baseline(path: str | Path, missing_ok: bool = False) -> dict[str, int]:
+    """Bytes by case name from a baseline file; :class:`ConfigError` if it is missing (unless ``missing_ok``)
+    or invalid."""
+    return _read(path, missing_ok)[0]
 
 
 def write_baseline(path: str | Path, figures: dict[str, int]) -> None:
     """Write (or merge into) the baseline; entries not measured now are kept."""
-    cases = {name: {"saved_bytes": nbytes} for name, nbytes in {**load_baseline(path), **figures}.items()}
+    cases = {name: {"saved_bytes": nbytes} for name, nbytes in {**load_baseline(path, True), **figures}.items()}
     data = {
         "unit": "bytes saved for backward by one training forward (CPU)",
         "torch": torch.__version__,
@@ -166,7 +183,12 @@ def write_baseline(path: str | Path, figures: dict[str, int]) -> None:
 def check(
     cases: Sequence[Case], baseline: str | Path = BASELINE, tolerance: float = DEFAULT_TOLERANCE, update: bool = False
 ) -> Result:
-    """Measure every case and compare with the baseline file (or rewrite it with ``update``)."""
+    """Measure every case and compare with the baseline file (or rewrite it with ``update``).
+
+    Raises :class:`ConfigError` before measuring anything when the baseline is missing (and not
+    ``update``) or invalid.
+    """
+    stored, written_with = _read(baseline, missing_ok=update)
     figures, prepared = {}, {}
     for case in cases:  # build (and convert) each model once; every precision gets a copy
         key = (case.build, case.lowmem)
@@ -174,9 +196,8 @@ def check(
             prepared[key] = _prepare(case)
         model, example = prepared[key]
         figures[case.name] = _measure_prepared(case, copy.deepcopy(model), example)
-    result = compare(figures, load_baseline(baseline), tolerance)
-    written_with = _read(baseline).get("torch", torch.__version__)
-    if written_with != torch.__version__:
+    result = compare(figures, stored, tolerance)
+    if written_with not in (None, torch.__version__):
         result = Result(
             result.ok,
             f"{result.text}\nmemcheck: the baseline was written with torch {written_with}, this is {torch.__version__}",
