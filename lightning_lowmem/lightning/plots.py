@@ -145,21 +145,14 @@ def module_figure(summary: dict[str, Any], top: int = 15) -> Figure | None:
     fig = Figure(figsize=(10, 1.4 + 0.38 * len(labels)), layout="constrained")
     ax = fig.subplots()
     height = 0.8 / len(sums)
-    baseline = None
+    totals = {label: sum(by_role.values()) for label, by_role in sums.items()}
+    first = next(iter(totals.values()))
     for i, (label, by_role) in enumerate(sums.items()):
         values = [by_role.get(r, 0.0) for r in shown] + [sum(by_role.get(r, 0.0) for r in rest)] * bool(rest)
-        total = sum(by_role.values())
-        saved = f" (-{100 * (1 - total / baseline):.1f}%)" if baseline else ""
-        offset = (i - (len(sums) - 1) / 2) * height
+        saved = f" (-{100 * (1 - totals[label] / first):.1f}%)" if i else ""
+        offsets = [y + (i - (len(sums) - 1) / 2) * height for y in range(len(labels))]
         color = STOCK if label == "stock model" else CONVERTED
-        ax.barh(
-            [y + offset for y in range(len(labels))],
-            values,
-            height,
-            color=color,
-            label=f"{label}: {total:.2f} MiB{saved}",
-        )
-        baseline = baseline or total
+        ax.barh(offsets, values, height, color=color, label=f"{label}: {totals[label]:.2f} MiB{saved}")
     notes = _notes(lowmem.get("entries", []), role, count)
     for y, r in enumerate(shown):
         if r in notes:
@@ -167,7 +160,7 @@ def module_figure(summary: dict[str, Any], top: int = 15) -> Figure | None:
             ax.text(largest[r] + 0.01 * largest[shown[0]], y, text, va="center", fontsize="small", color=color)
     ax.set_yticks(range(len(labels)), labels)
     ax.invert_yaxis()
-    ax.set_xlim(0, 1.7 * largest[shown[0]])  # room for the notes
+    ax.set_xlim(0, 1.7 * largest[shown[0]] or 1.0)  # room for the notes
     ax.set_xlabel("MiB saved for backward")
     ax.legend(loc="lower right", fontsize="small")
     fig.suptitle(f"Where activation memory goes (top {len(shown)} kinds of module, repeated blocks summed)\n{measured}")

@@ -60,6 +60,8 @@ def _apply(name: str, x: torch.Tensor, normalized_shape, eps: float, center: boo
     if not eps > 0:
         raise ValueError(f"{name}: eps must be positive, got {eps}")
     out_dtype = output_dtype(x)
+    if x.numel() == 0:  # nothing to normalize (no rows, or rows of 0 elements): as stock, an empty output
+        return x.to(dtype=out_dtype, copy=True)
     x = x.contiguous()
     if not needs_graph(x):
         z, _ = kernels.implementation(x.device).norm_forward(x, dim, eps, center, out_dtype)

@@ -20,10 +20,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from torch import nn
+from torch._dynamo import OptimizedModule
 
 from lightning_lowmem.nn import LowMemLinear
 from lightning_lowmem.nn.peft import redundant_input_casts
-from lightning_lowmem.surgery.convert import Surgery, check_same, eval_outputs, saved_bytes
+from lightning_lowmem.surgery.convert import Surgery, check_same, eval_outputs, output_tolerance, saved_bytes
 from lightning_lowmem.surgery.plan import Options, make_plan, nominate, trace_norms
 from lightning_lowmem.surgery.report import LowMemReport
 
@@ -45,11 +46,12 @@ def apply_lowmem(
     """Convert ``model`` in place for low-memory backpropagation and report what changed.
 
     Args:
-        model: any ``nn.Module`` (timm, Hugging Face, peft, custom). Run it before creating the
-            optimizer and before DDP/FSDP wrapping; parameters stay the same objects anyway.
-        activation: ``"auto"`` converts every GELU / SiLU module; ``False`` none.
-        norm: ``"auto"`` converts each LayerNorm / RMSNorm whose output provably reaches only
-            linear layers (needs ``example_input`` to trace the data flow); ``False`` none.
+        model: any ``nn.Module`` (timm, Hugging Face, peft, custom; a ``torch.compile``'d module is
+            converted through the module it compiles: convert before its first call). Parameters
+            stay the same objects, so optimizers and DDP keep working; run it before FSDP wrapping.
+        activation: ``"auto"`` converts every GELU / SiLU / QuickGELU / Mish module; ``False`` none.
+        norm: ``"auto"`` converts each LayerNorm / RMSNorm whose output linear layers read
+            (needs ``example_input`` to trace the data flow); ``False`` none.
         include: fnmatch patterns of qualified module names to consider (default: all).
         exclude: fnmatch patterns of module names to leave alone.
         linear: ``"auto"`` lets every other ``nn.Linear`` recast its weight in backward, so no
@@ -71,6 +73,8 @@ def apply_lowmem(
     Returns:
         The :class:`LowMemReport`. Running it again on a converted model changes nothing.
     """
+    if isinstance(model, OptimizedModule):  # torch.compile'd: convert the module it compiles
+        model = model._orig_mod
     options = Options.parse(model, activation, norm, linear, gated, include, exclude, bits)
     found = nominate(model, options)
     flow = trace_norms(model, example_input, found, options)
@@ -88,7 +92,7 @@ def apply_lowmem(
         for layer in list(redundant_input_casts(model, LowMemLinear)):  # LowMemLinear casts its input itself
             surgery.set(layer, "cast_input_dtype_enabled", False)
         if reference is not None:
-            check_same(reference, eval_outputs(model, example_input))
+            check_same(reference, eval_outputs(model, example_input), output_tolerance(model))
         if report.saved_bytes_before is not None:
             report.saved_bytes_after = saved_bytes(model, example_input)
     except BaseException:

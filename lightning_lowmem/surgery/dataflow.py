@@ -26,6 +26,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_lowmem.nn.peft import lora_dropouts
+from lightning_lowmem.surgery.deferred import CallArgs
 
 _METADATA = {
     "size", "dim", "numel", "stride", "is_contiguous", "element_size", "nelement", "is_floating_point",
@@ -129,7 +130,10 @@ def isolated(model: nn.Module, train: bool) -> Iterator[None]:
 
 
 def call(model: nn.Module, example: Any) -> Any:
-    """Call ``model`` the Lightning way: a tuple is positional args, a dict keyword args."""
+    """Call ``model`` the Lightning way: a tuple is positional args, a dict keyword args; a captured
+    :class:`~.deferred.CallArgs` is replayed as it was made."""
+    if isinstance(example, CallArgs):
+        return model.get_submodule(example.module)(*example.args, **example.kwargs)
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     example = tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, example)
     if isinstance(example, tuple):
