@@ -1,10 +1,12 @@
-// The kernel contract of lightning_lowmem.kernels.torch_ops, for one device: argument
-// checks, output allocation and the Python binding. Shared by the CPU and CUDA extensions.
-#include <torch/extension.h>
+// The kernel contract of lightning_lowmem.kernels.torch_ops, for one device: argument checks,
+// output allocation, and the registration of the kernels of the `lowmem` operators (schemas in
+// lightning_lowmem/kernels/library.py) for the extension's dispatch key. Shared by the CPU and
+// CUDA extensions; the CUDA build defines LOWMEM_CUDA.
+#include <ATen/ATen.h>
+#include <c10/util/string_view.h>
+#include <torch/library.h>
 
 #include <optional>
-#include <string>
-#include <vector>
 
 #include "lowmem_kernels.h"
 #include "lowmem_math.h"
@@ -35,7 +37,7 @@ void check_float(const char* op, const char* name, const at::Tensor& t) {
 int64_t packed_size(int64_t numel, int bits) { return (numel * bits + 7) / 8; }
 
 // Codes only: the activation itself is the caller's (the stock op, bit-exact by construction).
-at::Tensor act_codes_op(const at::Tensor& x, const std::vector<double>& thresholds) {
+at::Tensor act_codes_op(const at::Tensor& x, at::ArrayRef<double> thresholds) {
   check_float("act_codes", "x", x);
   const int bits = storage_bits(static_cast<int64_t>(thresholds.size()));
   TORCH_CHECK_VALUE(bits > 0, "act_codes: expected 1 to 15 thresholds (1-4 bit codes), got ", thresholds.size());
@@ -47,7 +49,7 @@ at::Tensor act_codes_op(const at::Tensor& x, const std::vector<double>& threshol
   return packed;
 }
 
-at::Tensor act_backward(const at::Tensor& grad, const at::Tensor& packed, const std::vector<double>& levels) {
+at::Tensor act_backward_op(const at::Tensor& grad, const at::Tensor& packed, at::ArrayRef<double> levels) {
   check_float("act_backward", "grad", grad);
   check_tensor("act_backward", "packed", packed);
   TORCH_CHECK_TYPE(packed.scalar_type() == at::kByte, "act_backward: packed codes must be uint8, got ",
@@ -99,7 +101,7 @@ at::Tensor norm_backward_op(const at::Tensor& grad, const at::Tensor& z, const a
   return grad_input;
 }
 
-Activation activation_of(const std::string& kind) {
+Activation activation_of(c10::string_view kind) {
   TORCH_CHECK_VALUE(kind == "silu" || kind == "gelu" || kind == "gelu_tanh", "gated_backward: unknown activation kind '",
                     kind, "'; expected gelu, gelu_tanh or silu");
   return kind == "silu" ? Activation::kSilu : kind == "gelu" ? Activation::kGelu : Activation::kGeluTanh;
@@ -114,7 +116,7 @@ void check_like(const char* name, const at::Tensor& t, const at::Tensor& grad) {
 }
 
 std::tuple<at::Tensor, at::Tensor> gated_backward_op(const at::Tensor& grad, const at::Tensor& gate,
-                                                     const at::Tensor& second, const std::string& kind,
+                                                     const at::Tensor& second, c10::string_view kind,
                                                      const std::optional<at::Tensor>& act) {
   check_float("gated_backward", "grad", grad);
   const Activation activation = activation_of(kind);
@@ -137,15 +139,16 @@ std::tuple<at::Tensor, at::Tensor> gated_backward_op(const at::Tensor& grad, con
 }  // namespace
 }  // namespace lowmem
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "lightning_lowmem compiled kernels (contract: lightning_lowmem.kernels.torch_ops)";
-  m.def("act_codes", &lowmem::act_codes_op, "packed k-bit codes of x", py::arg("x"), py::arg("thresholds"));
-  m.def("act_backward", &lowmem::act_backward, "grad * levels[code]", py::arg("grad"), py::arg("packed"),
-        py::arg("levels"));
-  m.def("norm_forward", &lowmem::norm_forward_op, "affine-free norm output and rstd", py::arg("x"), py::arg("dim"),
-        py::arg("eps"), py::arg("center"), py::arg("out_dtype"));
-  m.def("norm_backward", &lowmem::norm_backward_op, "norm input gradient from output and rstd", py::arg("grad"),
-        py::arg("z"), py::arg("rstd"), py::arg("dim"), py::arg("center"), py::arg("dtype"));
-  m.def("gated_backward", &lowmem::gated_backward_op, "gradients of act(gate) * up", py::arg("grad"), py::arg("gate"),
-        py::arg("second"), py::arg("kind"), py::arg("act"));
+#if defined(LOWMEM_CUDA)
+#define LOWMEM_DISPATCH_KEY CUDA
+#else
+#define LOWMEM_DISPATCH_KEY CPU
+#endif
+
+TORCH_LIBRARY_IMPL(lowmem, LOWMEM_DISPATCH_KEY, m) {
+  m.impl("act_codes", &lowmem::act_codes_op);
+  m.impl("act_backward", &lowmem::act_backward_op);
+  m.impl("norm_forward", &lowmem::norm_forward_op);
+  m.impl("norm_backward", &lowmem::norm_backward_op);
+  m.impl("gated_backward", &lowmem::gated_backward_op);
 }

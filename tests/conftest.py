@@ -9,8 +9,7 @@ before any test runs, is enough; with a GPU it stays unset and the kernels compi
 from __future__ import annotations
 
 import os
-from types import ModuleType
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -79,16 +78,17 @@ def recorder() -> type[SavedRecorder]:
 
 
 class KernelBackend(NamedTuple):
-    """A compiled backend under test: its name, the device its tensors live on, its kernel module."""
+    """A compiled backend under test: its name, the device its tensors live on, what implements the contract
+    (the Triton module, or the ``torch.ops.lowmem`` operators for the C++ and CUDA extensions)."""
 
     name: str
     device: str
-    module: ModuleType
+    module: Any
 
 
 def _load_backend(name: str, device: str) -> KernelBackend:
     from lightning_lowmem import kernels
-    from lightning_lowmem.kernels import build
+    from lightning_lowmem.kernels import build, library
 
     if name == "triton":
         module = kernels._triton_module()
@@ -97,10 +97,10 @@ def _load_backend(name: str, device: str) -> KernelBackend:
         if device == "cpu" and not module.INTERPRETED:
             pytest.skip("the Triton kernels run on CPU tensors only in Triton's interpreter (TRITON_INTERPRET=1)")
         return KernelBackend(name, device, module)
-    module = build.load("cpu" if name == "cpp" else "cuda")
-    if isinstance(module, build.BuildError):
-        pytest.fail(f"the {name} extension must build here: {module}")
-    return KernelBackend(name, device, module)
+    loaded = build.load("cpu" if name == "cpp" else "cuda")
+    if isinstance(loaded, build.BuildError):
+        pytest.fail(f"the {name} extension must build here: {loaded}")
+    return KernelBackend(name, device, library.OPS)  # the dispatcher runs the extension's kernels
 
 
 _GPU = [pytest.mark.gpu, pytest.mark.skipif(not HAS_GPU, reason="no GPU")]

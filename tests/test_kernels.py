@@ -6,14 +6,13 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from lightning_lowmem import functional, kernels
-from lightning_lowmem.kernels import build, torch_ops
+from lightning_lowmem.kernels import build, library, torch_ops
 from lightning_lowmem.ops.activation_registry import GELU_2BIT, SILU_2BIT
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
@@ -167,7 +166,8 @@ def test_bad_arguments_raise_naming_the_op(kernel_backend):
 
 def test_backend_reports_what_runs(monkeypatch):
     monkeypatch.delenv(kernels.ENV_VAR, raising=False)
-    assert kernels.backend("cpu") == "cpp" and kernels.implementation(torch.device("cpu")) is build.load("cpu")
+    assert kernels.backend("cpu") == "cpp" and kernels.implementation(torch.device("cpu")) is library.OPS
+    assert torch._C._dispatch_has_kernel_for_dispatch_key("lowmem::act_codes", "CPU")  # registered by the extension
     assert kernels.backend("meta") == "torch"
     monkeypatch.setenv(kernels.ENV_VAR, "torch")
     assert kernels.backend("cpu") == "torch" and kernels.implementation(torch.device("cpu")) is torch_ops
@@ -220,6 +220,7 @@ def test_failed_build_falls_back_once_or_raises_when_forced(monkeypatch):
 
 
 def test_no_compiler_or_sources_is_a_build_error(monkeypatch, tmp_path):
+    monkeypatch.setenv(build.CACHE_ENV, str(tmp_path / "empty-cache"))  # no valid build to load instead
     monkeypatch.setenv("CXX", "no-such-compiler-lowmem")
     with pytest.raises(build.BuildError, match="no C\\+\\+ compiler"):
         build.build("cpu")
@@ -228,42 +229,75 @@ def test_no_compiler_or_sources_is_a_build_error(monkeypatch, tmp_path):
         build.build("cpu")
 
 
-def test_loaded_module_is_cached_per_process():
-    assert build.load("cpu") is build.load("cpu")
+@pytest.fixture
+def cached_copy(tmp_path, monkeypatch):
+    """A cache root holding a copy of this machine's valid CPU build, made the current cache."""
+    assert not isinstance(build.load("cpu"), build.BuildError)
+    monkeypatch.setenv(build.CACHE_ENV, str(tmp_path / "cache"))
+    shutil.copytree(build.load("cpu").parent, build.build_dir("cpu"))
+    return build.build_dir("cpu")
 
 
-def test_build_dir_is_keyed_by_versions_and_sources():
-    name = build.build_dir("cpu").name
-    assert torch.__version__.replace("+", "_") in name and build.source_hash("cpu") in name
-    assert build.source_hash("cpu") != build.source_hash("cuda")
+def test_a_build_is_moved_into_place_whole_with_its_checksum():
+    directory = build.load("cpu").parent
+    library = directory / build.library_name("cpu")
+    assert (directory / build.CHECKSUM).read_text() == build._checksum(library)
+    assert not list(directory.parent.glob(f"{directory.name}.staging-*"))  # no staging directory left behind
 
 
-def dead_pid() -> int:
-    child = subprocess.Popen([sys.executable, "-c", "pass"])
+def test_a_damaged_library_is_detected_before_loading_and_rebuilt(cached_copy, monkeypatch):
+    library = cached_copy / build.library_name("cpu")
+    library.write_bytes(library.read_bytes()[:4096])  # what a killed copy or a full disk leaves
+    with pytest.raises(build.DamagedBuild, match="does not match its checksum"):
+        build._valid_library(cached_copy, "cpu")
+    rebuilt = []
+    monkeypatch.setattr(build, "_compile_into", lambda directory, kind, verbose: rebuilt.append(directory) or library)
+    with pytest.warns(RuntimeWarning, match="does not match its checksum; rebuilding"):
+        build.build("cpu")
+    assert rebuilt == [cached_copy]
+    (cached_copy / build.CHECKSUM).unlink()
+    with pytest.raises(build.DamagedBuild, match="no checksum"):
+        build._valid_library(cached_copy, "cpu")
+
+
+def test_a_valid_build_loads_without_compiler_or_write_access(cached_copy):
+    """A read-only shared cache holding this version's build: loaded as it is, nothing compiled or written."""
+    before = sorted(p.name for p in cached_copy.parent.iterdir())
+    env = os.environ | {build.CACHE_ENV: str(cached_copy.parent), "CXX": "no-such-compiler-lowmem"}
+    script = "from lightning_lowmem import kernels; print(kernels.backend('cpu'))"
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "cpp", out.stderr
+    assert sorted(p.name for p in cached_copy.parent.iterdir()) == before  # not even a lock file
+
+
+def test_a_read_only_cache_without_a_valid_build_says_what_to_do(tmp_path, monkeypatch):
+    monkeypatch.setenv(build.CACHE_ENV, str(tmp_path / "read-only"))
+    monkeypatch.setattr(build, "_writable", lambda directory: False)
+    with pytest.raises(build.BuildError, match=f"not writable.*set {build.CACHE_ENV}.*lightning_lowmem.kernels build"):
+        build.build("cpu")
+
+
+def hold_lock_in_child(directory) -> subprocess.Popen:
+    """A process that takes the build lock of ``directory`` and keeps it until it is killed."""
+    script = (
+        "import sys, time; from pathlib import Path; from lightning_lowmem.kernels import build\n"
+        f"with build.build_lock(Path({str(directory)!r})):\n    print('locked', flush=True); time.sleep(600)"
+    )
+    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    assert child.stdout.readline().strip() == "locked"
+    return child
+
+
+def test_the_build_lock_is_exclusive_and_dies_with_its_holder(tmp_path):
+    directory = tmp_path / "cpu-key"
+    child = hold_lock_in_child(directory)
+    lock = build.FileLock(directory.with_name(directory.name + ".lock"))
+    with pytest.raises(build.Timeout):
+        lock.acquire(timeout=0)  # held by a live process
+    child.kill()  # as a killed build dies: no cleanup code runs
     child.wait()
-    return child.pid
-
-
-@pytest.mark.parametrize("owner", ["dead", "old"])
-def test_stale_lock_is_taken_over(tmp_path, owner):
-    lock = tmp_path / "lowmem.lock"
-    pid = dead_pid() if owner == "dead" else os.getpid()
-    lock.write_text(f"{pid} {build.socket.gethostname()}")
-    if owner == "old":
-        past = time.time() - build.STALE_LOCK_SECONDS - 60
-        os.utime(lock, (past, past))
-    (tmp_path / "lock").touch()  # an old torch FileBaton left by the killed build
-    start = time.monotonic()
-    with build.build_lock(tmp_path):
-        assert lock.read_text().split()[0] == str(os.getpid())
-        assert not (tmp_path / "lock").exists()
-    assert time.monotonic() - start < 5 and not lock.exists()
-
-
-def test_live_lock_is_respected(tmp_path):
-    lock = tmp_path / "lowmem.lock"
-    lock.write_text(f"{os.getpid()} {build.socket.gethostname()}")
-    assert not build._lock_is_stale(lock)
+    lock.acquire(timeout=60)  # the OS released it (a bounded wait, so a bug fails instead of hanging)
+    lock.release()
 
 
 def test_ninja_found_from_the_interpreter_environment(monkeypatch):
@@ -284,4 +318,4 @@ def test_cli_prebuilds_and_reports():
         timeout=600,
         check=True,
     ).stdout
-    assert "cpu: built" in out and "cpu tensors -> cpp" in out
+    assert f"cpu: built {build.load('cpu')}" in out and "cpu tensors -> cpp" in out

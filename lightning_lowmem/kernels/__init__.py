@@ -2,8 +2,9 @@
 
 Four implementations share one contract (see :mod:`.torch_ops`): ``"torch"`` (pure PyTorch,
 always available), ``"cpp"`` (compiled CPU kernels), ``"cuda"`` (compiled GPU kernels), both
-JIT-built from ``csrc/`` on first use (see :mod:`.build`), and ``"triton"`` (GPU kernels that
-Triton, shipped with torch, compiles at run time: no CUDA toolkit needed, see :mod:`.triton_ops`).
+JIT-built from ``csrc/`` on first use (see :mod:`.build`) and run as the ``torch.ops.lowmem``
+operators (see :mod:`.library`), and ``"triton"`` (GPU kernels that Triton, shipped with torch,
+compiles at run time: no CUDA toolkit needed, see :mod:`.triton_ops`).
 By default CPU tensors run ``"cpp"`` and CUDA tensors ``"triton"`` (``"cuda"`` where Triton is
 missing or the GPU older than compute capability 8.0); when nothing compiled can run, a warning
 says why (once) and the pure-PyTorch path runs. ``LIGHTNING_LOWMEM_BACKEND`` forces one:
@@ -20,10 +21,11 @@ import importlib
 import os
 import warnings
 from types import ModuleType
+from typing import Any
 
 import torch
 
-from lightning_lowmem.kernels import build, torch_ops
+from lightning_lowmem.kernels import build, library, torch_ops
 
 BACKENDS = ("torch", "cpp", "cuda", "triton")
 ENV_VAR = "LIGHTNING_LOWMEM_BACKEND"
@@ -80,7 +82,7 @@ def _unusable(name: str, device: torch.device) -> str | None:
     if name == "triton":
         return _triton_unusable(device)
     loaded = build.load(_EXTENSION_OF[name])
-    return None if isinstance(loaded, ModuleType) else str(loaded).splitlines()[0]
+    return str(loaded).splitlines()[0] if isinstance(loaded, build.BuildError) else None
 
 
 def _candidates(device_type: str, forced: str | None) -> tuple[str, ...]:
@@ -97,7 +99,12 @@ def backend(device: torch.device | str | None = None) -> str:
 
     The first call for a device type builds (or loads the cached build of) its extension.
     """
-    device = torch.device(device if device is not None else "cpu")
+    return _resolve(str(torch.device(device if device is not None else "cpu")))
+
+
+@torch.compiler.assume_constant_result  # torch.compile runs it once, at trace time: no graph break
+def _resolve(device_name: str) -> str:
+    device = torch.device(device_name)
     forced = _forced()
     candidates = () if forced == "torch" else _candidates(device.type, forced)
     reasons = []
@@ -113,9 +120,10 @@ def backend(device: torch.device | str | None = None) -> str:
     return "torch"
 
 
-def implementation(device: torch.device) -> ModuleType:
-    """The module implementing the kernel contract for tensors on ``device``."""
+def implementation(device: torch.device) -> Any:
+    """What implements the kernel contract for tensors on ``device``: the ``torch.ops.lowmem``
+    operators for the compiled C++/CUDA kernels, else the Triton or pure-PyTorch module."""
     name = backend(device)
     if name == "torch":
         return torch_ops
-    return _triton_module() if name == "triton" else build.load(_EXTENSION_OF[name])
+    return _triton_module() if name == "triton" else library.OPS

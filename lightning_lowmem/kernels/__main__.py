@@ -19,12 +19,12 @@ def main(argv: list[str] | None = None) -> int:
     failed = False
     for kind in kinds:
         try:
-            module = build.build(kind, verbose=args.verbose)
+            library = build.build(kind, verbose=args.verbose)
         except build.BuildError as err:
             print(f"{kind}: FAILED: {err}")
             failed = True
         else:
-            print(f"{kind}: built {module.__file__}")
+            print(f"{kind}: built {library}")
     if "cuda" not in kinds:
         print("cuda: skipped (no CUDA GPU, or torch without CUDA)")
     print(f"backend: cpu tensors -> {backend('cpu')}")

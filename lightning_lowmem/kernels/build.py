@@ -1,9 +1,21 @@
 """JIT build and load of the compiled kernels in ``csrc/`` (ninja, via ``torch.utils.cpp_extension``).
 
-Each extension builds once per machine into a directory keyed by torch version, CUDA
-version, target (CPU capability or GPU archs) and a hash of the sources, so a changed
-source or a torch upgrade never loads a stale binary. Processes (DDP ranks) build one at a
-time under a lock file that names its owner's PID; a lock whose owner died is taken over.
+Loading an extension registers its CPU or CUDA kernels for the ``lowmem`` operators
+(:mod:`.library`). Each extension builds once per machine into a cache directory keyed by torch
+version, CUDA version, target (CPU capability or GPU archs) and a hash of the sources, so a
+changed source or a torch upgrade never loads a stale binary.
+
+The cache is safe to share and to interrupt:
+
+- a build runs in a private staging directory that is renamed into place (atomically) only after
+  the library loaded, with its checksum beside it: a killed build or a full disk leaves no
+  half-written library where a later process would load it;
+- a cached library is checked against its checksum before it is loaded (a damaged one would
+  crash the process), and rebuilt when it does not match;
+- a valid build is loaded without taking any lock, so a read-only cache (a shared image, a
+  cluster file system) works;
+- processes (DDP ranks) build one at a time under a file lock that the OS releases when its
+  holder dies.
 """
 
 from __future__ import annotations
@@ -13,28 +25,35 @@ import functools
 import hashlib
 import os
 import shutil
-import socket
 import sys
-import time
+import tempfile
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from types import ModuleType
 
 import torch
+from filelock import FileLock, Timeout
 
-CSRC = Path(__file__).resolve().parents[2] / "csrc"
 SOURCES = {
     "cpu": ("lowmem_bind.cpp", "lowmem_cpu.cpp"),
     "cuda": ("lowmem_bind.cpp", "lowmem_cuda.cu"),
 }
 HEADERS = ("lowmem_kernels.h", "lowmem_math.h")
 CACHE_ENV = "LIGHTNING_LOWMEM_CACHE"
-STALE_LOCK_SECONDS = 30 * 60  # longer than any build; a lock this old is abandoned even if its PID lives on
-_POLL_SECONDS = 0.5
+CHECKSUM = "checksum.sha256"
 
 
 class BuildError(RuntimeError):
     """The extension could not be built or loaded; the message says why."""
+
+
+def source_dir() -> Path:
+    """The kernel sources: ``csrc/`` of a source checkout (editable install), else the copy a wheel ships."""
+    checkout = Path(__file__).resolve().parents[2] / "csrc"
+    return checkout if checkout.is_dir() else Path(__file__).with_name("csrc")
+
+
+CSRC = source_dir()
 
 
 def cpu_flags() -> list[str]:
@@ -75,55 +94,54 @@ def build_dir(kind: str) -> Path:
     return cache_root() / key.replace("+", "_").replace(" ", "")
 
 
-def _lock_is_stale(lock: Path) -> bool:
-    """True when the lock's owner is dead (same host) or the lock is older than STALE_LOCK_SECONDS."""
+def library_name(kind: str) -> str:
+    return f"lightning_lowmem_{kind}.so"
+
+
+def _checksum(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+class DamagedBuild(Exception):
+    """A cached library that does not match its checksum (a killed build of an older version, a bad disk)."""
+
+
+def _valid_library(directory: Path, kind: str) -> Path | None:
+    """The cached library of ``directory`` if it matches its checksum; ``None`` if there is none."""
+    library = directory / library_name(kind)
+    if not library.exists():
+        return None
     try:
-        age = time.time() - lock.stat().st_mtime
-        pid_text, _, host = lock.read_text().partition(" ")
+        expected = (directory / CHECKSUM).read_text().strip()
     except FileNotFoundError:
-        return False  # released meanwhile: just retry
-    if age > STALE_LOCK_SECONDS:
-        return True
-    if host.strip() != socket.gethostname() or not pid_text.isdigit():
-        return False  # another machine on a shared file system, or being written: only age can tell
-    try:
-        os.kill(int(pid_text), 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False  # alive, owned by another user
-    return False
+        raise DamagedBuild(f"{library} has no checksum beside it") from None
+    if _checksum(library) != expected:
+        raise DamagedBuild(f"{library} does not match its checksum")
+    return library
 
 
-@contextlib.contextmanager
-def build_lock(directory: Path) -> Iterator[None]:
-    """Exclusive across processes; takes over a lock left by a killed build instead of waiting forever."""
-    directory.mkdir(parents=True, exist_ok=True)
-    lock = directory / "lowmem.lock"
-    announced = False
-    while True:
-        try:
-            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-            break
-        except FileExistsError:
-            if _lock_is_stale(lock):
-                with contextlib.suppress(FileNotFoundError):
-                    lock.unlink()
-                continue
-            if not announced:
-                print(f"lightning_lowmem: waiting for another process building in {directory}", file=sys.stderr)
-                announced = True
-            time.sleep(_POLL_SECONDS)
+def _writable(directory: Path) -> bool:
+    """Whether builds can be written into ``directory`` (created if missing)."""
     try:
-        os.write(fd, f"{os.getpid()} {socket.gethostname()}".encode())
-        os.close(fd)
-        # Older torch (FileBaton) waits forever on a 'lock' file left by a killed build; under our lock none is live.
-        with contextlib.suppress(FileNotFoundError):
-            (directory / "lock").unlink()
-        yield
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            lock.unlink()
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return False
+    return os.access(directory, os.W_OK)
+
+
+def _check_can_build(kind: str) -> None:
+    from torch.utils import cpp_extension
+
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        raise BuildError(f"no C++ compiler ({compiler!r} is not on PATH)")
+    if kind == "cuda":
+        if torch.version.cuda is None:
+            raise BuildError("this torch build has no CUDA")
+        if not torch.cuda.is_available():
+            raise BuildError("no CUDA GPU is available")
+        if cpp_extension.CUDA_HOME is None:
+            raise BuildError("the CUDA toolkit (nvcc) was not found; set CUDA_HOME")
 
 
 def _ninja_dirs() -> list[Path]:
@@ -153,52 +171,84 @@ def ninja_on_path() -> Iterator[None]:
         os.environ["PATH"] = old
 
 
-def _check_can_build(kind: str) -> None:
-    from torch.utils import cpp_extension
-
-    if not CSRC.is_dir():
-        raise BuildError(f"the kernel sources are not installed (no {CSRC})")
-    compiler = os.environ.get("CXX", "c++")
-    if shutil.which(compiler) is None:
-        raise BuildError(f"no C++ compiler ({compiler!r} is not on PATH)")
-    if kind == "cuda":
-        if torch.version.cuda is None:
-            raise BuildError("this torch build has no CUDA")
-        if not torch.cuda.is_available():
-            raise BuildError("no CUDA GPU is available")
-        if cpp_extension.CUDA_HOME is None:
-            raise BuildError("the CUDA toolkit (nvcc) was not found; set CUDA_HOME")
-
-
-def build(kind: str, verbose: bool = False) -> ModuleType:
-    """Build (if needed) and import the ``kind`` ("cpu" or "cuda") extension; raises BuildError."""
-    from torch.utils import cpp_extension
-
-    _check_can_build(kind)
-    directory = build_dir(kind)
-    fresh = not any(directory.glob("*.so")) and not any(directory.glob("*.pyd"))
-    if fresh:
-        print(
-            f"lightning_lowmem: compiling the {kind} kernels into {directory} (first use; about a minute)",
-            file=sys.stderr,
-        )
-    flags = ["-O3", *(cpu_flags() if kind == "cpu" else [])]
+@contextlib.contextmanager
+def build_lock(directory: Path) -> Iterator[None]:
+    """One builder per cache key across processes; the OS drops the lock of a process that dies."""
+    lock = FileLock(directory.with_name(directory.name + ".lock"))
     try:
-        with ninja_on_path(), build_lock(directory):
-            return cpp_extension.load(
-                name=f"lightning_lowmem_{kind}",
-                sources=[str(CSRC / s) for s in SOURCES[kind]],
-                extra_cflags=flags,
-                extra_include_paths=[str(CSRC)],
-                build_directory=str(directory),
-                with_cuda=kind == "cuda",
-                extra_cuda_cflags=["-O3"],
-                verbose=verbose,
+        lock.acquire(timeout=0)
+    except Timeout:
+        print(f"lightning_lowmem: waiting for another process building {directory.name}", file=sys.stderr)
+        lock.acquire()
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+def _compile_into(directory: Path, kind: str, verbose: bool) -> Path:
+    """Compile and load the extension in a staging directory, then rename it to ``directory``."""
+    from torch.utils import cpp_extension
+
+    print(f"lightning_lowmem: compiling the {kind} kernels into {directory} (about a minute)", file=sys.stderr)
+    staging = Path(tempfile.mkdtemp(prefix=f"{directory.name}.staging-", dir=directory.parent))
+    try:
+        cpp_extension.load(
+            name=library_name(kind).removesuffix(".so"),
+            sources=[str(CSRC / s) for s in SOURCES[kind]],
+            extra_cflags=["-O3", *(cpu_flags() if kind == "cpu" else [])],
+            extra_cuda_cflags=["-O3", "-DLOWMEM_CUDA"],
+            extra_include_paths=[str(CSRC)],
+            build_directory=str(staging),
+            with_cuda=kind == "cuda",
+            is_python_module=False,  # a library of TORCH_LIBRARY_IMPL registrations, loaded by torch.ops
+            verbose=verbose,
+        )
+        (staging / CHECKSUM).write_text(_checksum(staging / library_name(kind)))
+        if directory.exists():  # a damaged build (we hold the lock): out of the way first
+            shutil.rmtree(directory)
+        os.replace(staging, directory)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return directory / library_name(kind)
+
+
+def build(kind: str, verbose: bool = False) -> Path:
+    """Load the ``kind`` ("cpu" or "cuda") extension, building it first if the cache has no valid
+    build; returns the library's path. Raises :class:`BuildError` saying why it cannot be had."""
+    if not CSRC.is_dir():  # the sources name the build: without them no cached build can be found either
+        raise BuildError(f"the kernel sources are not installed (no {CSRC})")
+    directory = build_dir(kind)
+    try:
+        library = _valid_library(directory, kind)
+    except DamagedBuild as err:
+        warnings.warn(f"lightning_lowmem: {err}; rebuilding it", RuntimeWarning, stacklevel=2)
+        library = None
+    if library is None:
+        _check_can_build(kind)
+        if not _writable(directory.parent):
+            raise BuildError(
+                f"the kernel cache {directory.parent} is not writable and holds no valid build of this version; "
+                f"set {CACHE_ENV} to a writable directory, or run `python -m lightning_lowmem.kernels build` "
+                "where it is writable"
             )
-    except BuildError:
-        raise
-    except Exception as err:  # compiler errors, a missing toolchain piece, an import failure
-        raise BuildError(_summary(err)) from err
+        try:
+            with ninja_on_path(), build_lock(directory):
+                try:  # another process may have built it while this one waited
+                    library = _valid_library(directory, kind)
+                except DamagedBuild:
+                    library = None
+                if library is None:
+                    return _compile_into(directory, kind, verbose)
+        except BuildError:
+            raise
+        except Exception as err:  # compiler errors, a missing toolchain piece, a load failure
+            raise BuildError(_summary(err)) from err
+    try:
+        torch.ops.load_library(str(library))
+    except OSError as err:
+        raise BuildError(f"{library} cannot be loaded: {err}") from err
+    return library
 
 
 def _summary(err: Exception) -> str:
@@ -209,8 +259,8 @@ def _summary(err: Exception) -> str:
 
 
 @functools.cache
-def load(kind: str) -> ModuleType | BuildError:
-    """The extension, or the reason it cannot be had, computed once per process."""
+def load(kind: str) -> Path | BuildError:
+    """The loaded extension's path, or the reason it cannot be had, computed once per process."""
     try:
         return build(kind)
     except BuildError as err:

@@ -140,7 +140,7 @@ def check_gated(
     if kind not in GATED_KINDS:
         raise ValueError(f"gated_backward: unknown activation kind {kind!r}; expected gelu, gelu_tanh or silu")
     tensors = (grad, gate, second) if act is None else (grad, gate, second, act)
-    if len({t.shape for t in tensors}) > 1 or len({t.dtype for t in tensors}) > 1:
+    if any(t.shape != grad.shape or t.dtype != grad.dtype for t in tensors):
         described = ", ".join(f"{tuple(t.shape)} {t.dtype}" for t in tensors)
         raise ValueError(f"gated_backward: grad, gate, second (and act) must share shape and dtype, got {described}")
 
@@ -162,7 +162,7 @@ def gated_backward(
 def norm_forward(
     x: torch.Tensor, dim: int, eps: float, center: bool, out_dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    xa = x.view(-1, dim).to(accumulate_dtype(x.dtype))
+    xa = x.reshape(-1, dim).to(accumulate_dtype(x.dtype))
     if center:
         xa = xa - xa.mean(-1, keepdim=True)
     rstd = torch.rsqrt(xa.square().mean(-1, keepdim=True) + eps)
@@ -174,9 +174,9 @@ def norm_backward(
     grad: torch.Tensor, z: torch.Tensor, rstd: torch.Tensor, dim: int, center: bool, dtype: torch.dtype
 ) -> torch.Tensor:
     g = grad.reshape(-1, dim).to(rstd.dtype)
-    za = z.view(-1, dim).to(rstd.dtype)
+    za = z.reshape(-1, dim).to(rstd.dtype)
     projection = (g * za).mean(-1, keepdim=True)
     if center:
         g = g - g.mean(-1, keepdim=True)
     grad_input = rstd.unsqueeze(-1) * (g - za * projection)
-    return grad_input.to(dtype).view(z.shape)
+    return grad_input.to(dtype).reshape(z.shape)

@@ -74,6 +74,27 @@ def norm_affine(
     return NormAffineFunction.apply(z, gamma, beta, dtype)
 
 
+def _weight_grad(
+    grad_2d: torch.Tensor,
+    saved: torch.Tensor,
+    gamma: torch.Tensor | None,
+    beta: torch.Tensor | None,
+    dtype: torch.dtype,
+    shared: bool,
+) -> torch.Tensor:
+    """``grad^T @ x``. From a shared ``z`` (``x = gamma * z + beta`` over the input features) it is
+    ``(grad^T @ z) * gamma + outer(sum(grad), beta)``: ``x`` is never rebuilt, so nothing but ``z``
+    crosses from forward to backward, also under torch.compile (whose partitioner saves a rebuilt
+    ``x`` rather than recompute it) and the extra work is weight-sized, not activation-sized."""
+    inputs = saved.reshape(-1, saved.shape[-1]).to(dtype)
+    grad_w = grad_2d.t() @ inputs
+    if shared and gamma is not None:
+        grad_w = grad_w * gamma
+    if shared and beta is not None:
+        grad_w = grad_w + grad_2d.sum(0).unsqueeze(1) * beta
+    return grad_w
+
+
 class AffineLinearFunction(torch.autograd.Function):
     """``F.linear(x, W, b)`` in ``dtype`` saving, instead of ``x``, the ``z`` with ``x = gamma * z + beta``
     (or ``x`` in ``dtype`` when ``z`` is ``None``), and parameters only."""
@@ -100,8 +121,7 @@ class AffineLinearFunction(torch.autograd.Function):
         grad_2d = grad.reshape(-1, grad.shape[-1])
         grad_x = grad_z = grad_w = grad_b = grad_gamma = grad_beta = None
         if needs_w:
-            x = _affine(saved, gamma, beta, dtype) if ctx.shared else saved
-            grad_w = (grad_2d.t() @ x.reshape(-1, x.shape[-1])).to(weight.dtype)
+            grad_w = _weight_grad(grad_2d, saved, gamma, beta, dtype, ctx.shared).to(weight.dtype)
         if needs_b:
             grad_b = grad_2d.sum(0).to(weight.dtype)
         if needs_x or needs_z or needs_gamma or needs_beta:

@@ -60,7 +60,7 @@ def forward_activation(
     input differently from a contiguous one. Recovering ``up = h / act`` needs these exact bits."""
     if layout is not None:
         gate = torch.empty_strided(*layout, dtype=gate.dtype, device=gate.device).copy_(gate)
-    return kernels.torch_ops.stock_activation(gate, kind)
+    return kernels.library.OPS.stock_activation(gate, kind)  # opaque: torch.compile keeps it in backward
 
 
 def gated_activation(

@@ -159,6 +159,9 @@ def trace_norms(model: nn.Module, example: Any, found: Candidates, options: Opti
             f"apply_lowmem: {type(model).__name__} cannot run the example input ({type(err).__name__}: {err}); "
             "nothing was changed"
         ) from err
+    for name, spec in found.norms.items():  # a linear reads the last dimension: its affine must be over that one
+        if len(spec.normalized_shape) > 1:
+            flow.block(name, f"normalized over {len(spec.normalized_shape)} dimensions, its linear readers over one")
     for name, consumers in flow.consumers.items():
         kept = {c for c in consumers if not options.excluded(c) and is_plain(named[c])}
         if not kept:  # an excluded or hooked linear stays stock and reads the norm's output as it is

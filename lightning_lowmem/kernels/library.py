@@ -1,0 +1,85 @@
+"""The kernels as PyTorch operators, ``torch.ops.lowmem.*``: seen by the dispatcher and by torch.compile.
+
+One schema per function of the kernel contract (:mod:`.torch_ops`). Who computes an operator is
+the dispatcher's business:
+
+- the C++ extensions register the ``CPU`` and ``CUDA`` kernels (``TORCH_LIBRARY_IMPL`` in
+  ``csrc/lowmem_bind.cpp``) when :mod:`.build` loads them;
+- the pure-PyTorch reference is the ``CompositeExplicitAutograd`` kernel: it runs on a device
+  with no compiled kernel registered (before the extension loads, or where it cannot be built);
+- ``stock_activation`` is the stock ATen activation behind an opaque operator, for a backward
+  that must recompute the very bits its forward computed (the gated product's): torch.compile
+  can neither merge it with the forward's activation (which the partitioner would then save)
+  nor replace it with generated code that rounds differently;
+- the fake kernels give shapes and dtypes without computing anything, so ``torch.compile``
+  traces the ops as single graph nodes (no graph break) and ``torch.library.opcheck`` passes.
+
+The operators have no autograd formula of their own: the autograd functions of
+:mod:`lightning_lowmem.ops` call them in their forward and backward.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lightning_lowmem.kernels import torch_ops
+
+NAMESPACE = "lowmem"
+SCHEMAS = {
+    "act_codes": "(Tensor x, float[] thresholds) -> Tensor",
+    "act_backward": "(Tensor grad, Tensor packed, float[] levels) -> Tensor",
+    "norm_forward": "(Tensor x, int dim, float eps, bool center, ScalarType out_dtype) -> (Tensor, Tensor)",
+    "norm_backward": "(Tensor grad, Tensor z, Tensor rstd, int dim, bool center, ScalarType dtype) -> Tensor",
+    "gated_backward": "(Tensor grad, Tensor gate, Tensor second, str kind, Tensor? act) -> (Tensor, Tensor)",
+    "stock_activation": "(Tensor x, str kind) -> Tensor",
+}
+
+_LIBRARY = torch.library.Library(NAMESPACE, "DEF")
+for _name, _schema in SCHEMAS.items():
+    _LIBRARY.define(_name + _schema)
+    _LIBRARY.impl(_name, getattr(torch_ops, _name), "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake(f"{NAMESPACE}::act_codes")
+def _act_codes_fake(x: torch.Tensor, thresholds: list[float]) -> torch.Tensor:
+    bits = torch_ops.storage_bits(len(thresholds))
+    return x.new_empty(torch_ops.packed_bytes(x.numel(), bits), dtype=torch.uint8)
+
+
+@torch.library.register_fake(f"{NAMESPACE}::act_backward")
+def _act_backward_fake(grad: torch.Tensor, packed: torch.Tensor, levels: list[float]) -> torch.Tensor:
+    return torch.empty_like(grad, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake(f"{NAMESPACE}::norm_forward")
+def _norm_forward_fake(
+    x: torch.Tensor, dim: int, eps: float, center: bool, out_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    torch._check(dim > 0 and x.numel() % dim == 0, lambda: f"norm_forward: cannot normalize over {dim} elements")
+    z = x.new_empty(x.shape, dtype=out_dtype)
+    return z, x.new_empty(x.numel() // dim, dtype=torch_ops.accumulate_dtype(x.dtype))
+
+
+@torch.library.register_fake(f"{NAMESPACE}::norm_backward")
+def _norm_backward_fake(
+    grad: torch.Tensor, z: torch.Tensor, rstd: torch.Tensor, dim: int, center: bool, dtype: torch.dtype
+) -> torch.Tensor:
+    return z.new_empty(z.shape, dtype=dtype)
+
+
+@torch.library.register_fake(f"{NAMESPACE}::gated_backward")
+def _gated_backward_fake(
+    grad: torch.Tensor, gate: torch.Tensor, second: torch.Tensor, kind: str, act: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    torch_ops.check_gated(grad, gate, second, kind, act)
+    like = torch.empty_like(grad, memory_format=torch.contiguous_format)
+    return like, torch.empty_like(like)
+
+
+@torch.library.register_fake(f"{NAMESPACE}::stock_activation")
+def _stock_activation_fake(x: torch.Tensor, kind: str) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+OPS = getattr(torch.ops, NAMESPACE)
+"""The operators' namespace: ``OPS.act_codes(x, thresholds)`` etc., the contract of :mod:`.torch_ops`."""

@@ -1,0 +1,157 @@
+"""The kernels as ``torch.ops.lowmem`` operators: opcheck-clean, and converted models compile whole.
+
+``torch.compile(fullgraph=True)`` with inductor (CPU here) must trace converted models without a
+graph break, compute what eager computes, and keep the memory the conversion saved: the
+partitioner decides what a compiled forward saves for backward, so that is measured too.
+"""
+
+from __future__ import annotations
+
+import copy
+import operator
+
+import pytest
+import timm
+import torch
+from torch._dynamo.backends.common import aot_autograd
+from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+from lightning_lowmem import apply_lowmem, kernels
+from lightning_lowmem.kernels import library, torch_ops
+from lightning_lowmem.memory import SavedTensorMeter
+from lightning_lowmem.ops.activation_registry import GELU_2BIT, SILU_2BIT
+from lightning_lowmem.surgery.dataflow import call, tensors_in
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+
+def op_samples(dtype: torch.dtype) -> dict[str, list[tuple]]:
+    x = torch.randn(3, 5, 40, dtype=dtype)
+    z, rstd = torch_ops.norm_forward(x, 40, 1e-5, True, dtype)
+    four_bit = tuple(float(t) for t in torch.linspace(-3, 3, 15))
+    gate, up = torch.randn_like(x), torch.randn_like(x)
+    act = torch_ops.stock_activation(gate, "gelu")
+    return {
+        "act_codes": [(x, GELU_2BIT.thresholds), (x, four_bit), (x[..., :7], (0.0,))],
+        "act_backward": [(x, torch_ops.act_codes(x, SILU_2BIT.thresholds), SILU_2BIT.levels)],
+        "norm_forward": [(x, 40, 1e-5, True, dtype), (x, 40, 1e-6, False, torch.float32)],
+        "norm_backward": [(torch.randn_like(x), z, rstd, 40, True, dtype)],
+        "gated_backward": [(x, gate, up, "silu", None), (x, gate, act * up, "gelu", act)],
+        "stock_activation": [(gate, "gelu_tanh"), (gate[..., ::2], "silu")],
+    }
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", list(library.SCHEMAS))
+def test_every_operator_passes_opcheck(name, dtype):
+    assert kernels.backend("cpu") == "cpp"  # the extension's CPU kernels are registered and run
+    for args in op_samples(dtype)[name]:
+        torch.library.opcheck(getattr(library.OPS, name).default, args)
+
+
+def vit() -> tuple[torch.nn.Module, torch.Tensor]:
+    model = timm.create_model(
+        "vit_tiny_patch16_224", pretrained=False, num_classes=10, img_size=32, patch_size=8, depth=2
+    )
+    return model, torch.randn(2, 3, 32, 32)
+
+
+def llama_lora() -> tuple[torch.nn.Module, dict]:
+    config = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2,
+    )  # fmt: skip
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    lora = peft.LoraConfig(r=4, target_modules=targets, lora_dropout=0.0)
+    model = peft.get_peft_model(transformers.LlamaForCausalLM(config), lora)
+    return model, {"input_ids": torch.randint(0, 128, (2, 16))}
+
+
+def bert() -> tuple[torch.nn.Module, dict]:
+    config = transformers.BertConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    return transformers.BertForMaskedLM(config), {"input_ids": torch.randint(0, 128, (2, 16))}
+
+
+def loss_of(model: torch.nn.Module, example) -> torch.Tensor:
+    out = tensors_in(call(model, example))[0]
+    return (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum()
+
+
+def saved_and_grads(model: torch.nn.Module, example) -> tuple[int, torch.Tensor, list[torch.Tensor]]:
+    """Bytes saved for backward by one training forward, the output, and the parameters' gradients."""
+    with SavedTensorMeter(model) as meter:
+        loss = loss_of(model, example)
+    loss.backward()
+    return meter.total_bytes, loss.detach(), [p.grad for p in model.parameters() if p.requires_grad]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("build", [vit, llama_lora, bert])
+def test_converted_models_compile_whole_and_keep_their_saving(build):
+    stock, example = build()
+    lowmem = copy.deepcopy(stock)
+    report = apply_lowmem(lowmem, example_input=example)
+    assert report.converted
+    assert torch._dynamo.explain(lambda: loss_of(lowmem, example))().graph_break_count == 0
+
+    saved = {}
+    for name, model in (("stock", stock), ("lowmem", lowmem)):
+        eager_bytes, eager_loss, eager_grads = saved_and_grads(copy.deepcopy(model), example)
+        compiled = torch.compile(copy.deepcopy(model), fullgraph=True)
+        compiled_bytes, compiled_loss, compiled_grads = saved_and_grads(compiled, example)
+        torch.testing.assert_close(compiled_loss, eager_loss, rtol=1e-4, atol=1e-4)
+        for got, want in zip(compiled_grads, eager_grads, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+        saved[name] = (eager_bytes, compiled_bytes)
+    eager_saving = 1 - saved["lowmem"][0] / saved["stock"][0]
+    compiled_saving = 1 - saved["lowmem"][1] / saved["stock"][1]
+    # inductor changes what stock saves too (it recomputes cheap pointwise ops): most of the saving must remain
+    assert compiled_saving >= max(0.2, 0.7 * eager_saving), (eager_saving, compiled_saving)
+
+
+def saved_by_compiled_forward(model: torch.nn.Module, example) -> tuple[list[torch.fx.Node], torch.fx.Graph]:
+    """The nodes the partitioned forward graph returns for backward (inductor's partitioner), and the graph."""
+    captured: list[torch.fx.Graph] = []
+
+    def forward_compiler(graph_module: torch.fx.GraphModule, inputs):
+        captured.append(graph_module.graph)
+        return graph_module.forward
+
+    backend = aot_autograd(
+        fw_compiler=forward_compiler,
+        bw_compiler=lambda graph_module, inputs: graph_module.forward,
+        partition_fn=min_cut_rematerialization_partition,
+    )
+    loss_of(torch.compile(model, backend=backend, fullgraph=True), example).backward()
+    (graph,) = captured
+    (outputs,) = [n.args[0] for n in graph.nodes if n.op == "output"]
+    return [n for n in outputs[1:] if isinstance(n, torch.fx.Node) and n.op != "placeholder"], graph
+
+
+def produced_by(node: torch.fx.Node) -> torch.fx.Node:
+    """The node that computed ``node``'s data: through views, and from a tuple output to its op."""
+    while node.target in (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, operator.getitem):
+        node = node.args[0]
+    return node
+
+
+@pytest.mark.slow
+def test_the_compiled_forward_saves_the_codes_and_the_shared_output():
+    """What crosses from the compiled forward to backward: the 2-bit codes instead of the GELU input, and
+    each converted norm's normalized output and rstd (its linear readers share the output) instead of
+    the norm's input and statistics."""
+    model, example = vit()
+    report = apply_lowmem(model, example_input=example)
+    norms = [e for e in report.converted if e.kind == "norm"]
+    saved, graph = saved_by_compiled_forward(model, example)
+    producers = [str(produced_by(n).target) for n in saved]
+    gelu_inputs = {produced_by(n.args[0]) for n in graph.nodes if n.target is torch.ops.aten.gelu.default}
+    assert len(gelu_inputs) == 2 and producers.count("lowmem.act_codes.default") == 2  # one per block
+    assert not gelu_inputs & {produced_by(n) for n in saved}
+    assert producers.count("lowmem.norm_forward.default") == 2 * len(norms) == 8  # z and rstd of each
+    left_alone = [e for e in report.left_alone if e.kind == "norm"]  # the final norm, read by a slice only
+    assert producers.count("aten.native_layer_norm.default") == 2 * len(left_alone) == 2  # its input's mean, rstd
