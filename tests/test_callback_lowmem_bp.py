@@ -11,13 +11,15 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_lowmem.lightning import LowMemBP
+from lightning_lowmem.lightning import LowMemBP, PeakMemoryMonitor
 from lightning_lowmem.nn import GatedMLP, LowMemLinear, MemorySharingNorm
 
 REPO = Path(__file__).resolve().parents[1]
+timm = pytest.importorskip("timm")
 
 
 def block(dim: int = 16) -> nn.Module:
@@ -27,11 +29,11 @@ def block(dim: int = 16) -> nn.Module:
 class Module(pl.LightningModule):
     """A tiny pre-norm MLP, built in ``__init__`` or (``late=True``) in ``configure_model``."""
 
-    def __init__(self, late: bool = False) -> None:
+    def __init__(self, late: bool = False, example: bool = True) -> None:
         super().__init__()
         self.late = late
         self.net = None if late else block()
-        self.example_input_array = torch.randn(2, 16)
+        self.example_input_array = torch.randn(2, 16) if example else None
         self.optimized: list[nn.Parameter] = []
 
     def configure_model(self) -> None:
@@ -52,7 +54,8 @@ class Module(pl.LightningModule):
         self.validation_step(batch, batch_idx)
 
     def configure_optimizers(self):
-        assert isinstance(self.net[1], LowMemLinear), "optimizers must be created after the surgery"
+        if self.example_input_array is not None:
+            assert isinstance(self.net[1], LowMemLinear), "optimizers must be created after the surgery"
         self.optimized = list(self.parameters())
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
@@ -123,7 +126,7 @@ trainer = pl.Trainer(accelerator="cpu", strategy="ddp", devices=2, max_steps=3, 
                      enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
                      callbacks=[callback], default_root_dir={root!r})
 torch.manual_seed(0)
-model = Module()
+model = Module(example={example})
 trainer.fit(model, loader())
 weights = torch.cat([p.detach().flatten() for p in model.parameters()])
 gathered = trainer.strategy.all_gather(weights)
@@ -135,10 +138,13 @@ if trainer.global_rank == 0:
 """
 
 
-def test_ddp_cpu_two_processes(tmp_path):
+@pytest.mark.parametrize("example", [True, False], ids=["example_input_array", "first_batch"])
+def test_ddp_cpu_two_processes(tmp_path, example):
     out = tmp_path / "ddp.json"
     script = tmp_path / "ddp_run.py"
-    script.write_text(textwrap.dedent(DDP_SCRIPT.format(tests=str(REPO / "tests"), root=str(tmp_path), out=str(out))))
+    script.write_text(
+        textwrap.dedent(DDP_SCRIPT.format(tests=str(REPO / "tests"), root=str(tmp_path), out=str(out), example=example))
+    )
     env = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}
     subprocess.run([sys.executable, str(script)], check=True, cwd=tmp_path, env={**env, **_passthrough()}, timeout=300)
     result = json.loads(out.read_text())
@@ -196,3 +202,103 @@ def test_real_architectures_fit_checkpoint_resume(tmp_path, arch):
     t2 = trainer(tmp_path, max_steps=3, precision="bf16-mixed")
     t2.fit(resumed, data, ckpt_path=ckpt)
     assert t2.global_step == 3
+
+
+class Backbone(pl.LightningModule):
+    """A LightningModule that sets no ``example_input_array`` (as most do) and calls its backbone from
+    ``training_step``: a timm ViT, or a Hugging Face model fed dict batches."""
+
+    def __init__(self, arch: str, **kwargs) -> None:
+        super().__init__()
+        from test_surgery import tiny_bert
+
+        self.arch = arch
+        if arch == "vit":
+            self.model = timm.create_model(
+                "vit_tiny_patch16_224", pretrained=False, num_classes=4, img_size=32, patch_size=8, **kwargs
+            )
+        else:
+            self.model = tiny_bert()
+
+    def training_step(self, batch, batch_idx):
+        if self.arch == "vit":
+            x, y = batch
+            return nn.functional.cross_entropy(self.model(x), y)
+        return self.model(**batch).logits.float().square().mean()  # a Hugging Face dict batch, as keyword args
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-4)
+
+
+def vit_data(n: int = 8) -> DataLoader:
+    return DataLoader(TensorDataset(torch.randn(n, 3, 32, 32), torch.randint(0, 4, (n,))), batch_size=4)
+
+
+def first_step_activation_mib(tmp_path: Path, model: pl.LightningModule, data, callbacks: list) -> float:
+    monitor = PeakMemoryMonitor(activation_every_n_steps=1)
+    trainer(tmp_path, callbacks=[*callbacks, monitor], max_steps=1, max_epochs=1).fit(model, data)
+    return monitor.history[0]["train"]["activation"]
+
+
+def test_without_example_input_array_the_first_batch_converts_every_norm(tmp_path, caplog):
+    """ViT-tiny, no example_input_array: all 24 block norms convert on the first training batch, and that
+    very step (measured by PeakMemoryMonitor) already saves >= 30% fewer activation bytes than stock."""
+    torch.manual_seed(0)
+    stock, model = Backbone("vit"), Backbone("vit")
+    model.load_state_dict(stock.state_dict())
+    callback = LowMemBP()
+    with caplog.at_level("INFO"):
+        lowmem_mib = first_step_activation_mib(tmp_path, model, vit_data(), [callback])
+    stock_mib = first_step_activation_mib(tmp_path, stock, vit_data(), [])
+    report = callback.report
+    norms = [e for e in report.converted if e.kind == "norm"]
+    assert len(norms) == 24 and sum(isinstance(m, MemorySharingNorm) for m in model.modules()) == 24
+    assert report.probe == "model(tensor[4, 3, 32, 32])" and not report.pending
+    assert lowmem_mib <= 0.7 * stock_mib, (lowmem_mib, stock_mib)
+    messages = [r.getMessage() for r in caplog.records if "LowMemBP" in r.getMessage()]
+    assert "converted at the first training forward" in messages[0] and "probed on model(tensor[4" in messages[1]
+
+
+def test_hugging_face_dict_batches_convert_through_keyword_arguments(tmp_path):
+    model = Backbone("bert")
+    data = DataLoader([{"input_ids": torch.randint(0, 128, (16,))} for _ in range(8)], batch_size=4)
+    callback = LowMemBP()
+    trainer(tmp_path, callbacks=[callback]).fit(model, data)
+    assert callback.report.probe == "model(input_ids=tensor[4, 16])"
+    assert sum(e.kind == "norm" for e in callback.report.converted) >= 4
+
+
+def test_a_validation_run_first_leaves_the_model_stock_until_training(tmp_path, caplog):
+    """Evaluation forwards (inference mode) save nothing and convert nothing; the first training one does."""
+    model, callback = Module(late=True, example=False), LowMemBP()
+    with caplog.at_level("INFO"):
+        trainer(tmp_path, callbacks=[callback]).validate(model, loader())
+    assert callback.report.pending and type(model.net[1]) is nn.Linear
+    assert any("converted at the first training forward" in r.getMessage() for r in caplog.records)
+    trainer(tmp_path, callbacks=[callback]).fit(model, loader())
+    assert not callback.report.pending and isinstance(model.net[0], MemorySharingNorm)
+
+
+def test_resume_without_example_converts_the_restored_model(tmp_path):
+    model = Module(example=False)
+    t = trainer(tmp_path, max_steps=2)
+    t.fit(model, loader())
+    ckpt = tmp_path / "step2.ckpt"
+    t.save_checkpoint(ckpt)
+    resumed = Module(example=False)
+    t2 = trainer(tmp_path, max_steps=4)
+    t2.fit(resumed, loader(), ckpt_path=ckpt)
+    assert t2.global_step == 4 and isinstance(resumed.net[0], MemorySharingNorm)
+
+
+def test_a_first_batch_the_model_cannot_run_changes_nothing(tmp_path):
+    model, callback = Module(example=False), LowMemBP()
+    bad = DataLoader(TensorDataset(torch.randn(8, 15), torch.randint(0, 4, (8,))), batch_size=4)
+    with pytest.raises(RuntimeError, match=r"expected input with shape \[\*, 16\]"):  # the model's own error
+        trainer(tmp_path, callbacks=[callback]).fit(model, bad)
+    assert callback.report.pending and type(model.net[0]) is nn.LayerNorm and type(model.net[1]) is nn.Linear
+
+
+def test_two_lowmem_callbacks_are_a_configuration_error(tmp_path):
+    with pytest.raises(MisconfigurationException, match="more than one LowMemBP"):
+        trainer(tmp_path, callbacks=[LowMemBP(), LowMemBP(bits=4)]).fit(Module(), loader())

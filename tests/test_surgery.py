@@ -349,16 +349,48 @@ def test_custom_model():
     assert "norm_c" in report.table() and "residual" not in report.summary()
 
 
-def test_idempotent_and_no_example():
+def test_idempotent():
     stock, x = Custom(), torch.randn(2, 4, 32)
     model, _ = converted(stock, x)
     structure, state = repr(model), copy.deepcopy(model.state_dict())
     again = apply_lowmem(model, example_input=x)
     assert repr(model) == structure and not again.converted and again.linears == 0
     assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
-    _, blind = converted(stock, None)
-    assert blind.status("norm_a") == "left alone" and blind.status("act") == "converted"
-    assert blind.saved_bytes_before is None
+
+
+def test_without_an_example_the_first_training_forward_converts_on_its_own_input():
+    stock, x = Custom(), torch.randn(2, 4, 32)
+    _, with_example = converted(stock, x)
+    model = copy.deepcopy(stock)
+    report = apply_lowmem(model)
+    assert report.pending and str(report).startswith("pending") and type(model.up) is nn.Linear
+    with torch.no_grad():
+        model(x)  # an evaluation forward saves nothing: it changes nothing
+    assert report.pending and type(model.up) is nn.Linear
+    with SavedTensorMeter(model) as meter:
+        model(x)  # the first training forward: converted before it runs, then run converted
+    assert not report.pending and report.probe == "model(tensor[2, 4, 32])"
+    assert [(e.name, e.status) for e in report.entries] == [(e.name, e.status) for e in with_example.entries]
+    assert report.saved_bytes_after == with_example.saved_bytes_after == meter.total_bytes
+    assert isinstance(model.norm_a, MemorySharingNorm) and model.up.norm is model.norm_a
+    assert_same_outputs(stock, model, x)
+
+
+def test_a_first_forward_the_model_cannot_run_changes_nothing_and_raises_its_own_error():
+    model, x = Custom(), torch.randn(2, 4, 32)
+    report = apply_lowmem(model)
+    structure = repr(model)
+    with pytest.raises(RuntimeError, match=r"expected input with shape \[\*, 32\]"):
+        model(torch.randn(2, 4, 31))  # the model's own error, from its own forward
+    assert repr(model) == structure and report.pending
+    model(x)  # the next training forward converts
+    assert not report.pending and report.status("norm_a") == "converted"
+
+
+def test_without_norms_nothing_waits_for_an_input():
+    model = Custom()
+    report = apply_lowmem(model, norm=False)
+    assert not report.pending and report.status("act") == "converted" and report.saved_bytes_before is None
 
 
 def test_include_exclude_and_bad_options():

@@ -5,29 +5,40 @@ the strategy wraps it (DDP/FSDP), restores a checkpoint into it and creates the 
 Lightning runs ``Callback.setup`` → ``LightningModule.setup`` → ``configure_model`` → checkpoint
 restore → ``strategy.setup`` (wrap, optimizers), so the callback hooks into ``configure_model``
 of the module instance: the surgery runs right after it, the last moment the bare model is seen.
+
+Without ``example_input_array`` the norms need a real input: the surgery then runs at the first
+training forward, on that forward's own input, before it runs (:mod:`~lightning_lowmem.surgery.deferred`).
+Parameters keep their identity, so the optimizers and the DDP wrapper created meanwhile keep
+working; every rank converts on rank 0's input, so all ranks decide alike.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any
+from weakref import WeakSet
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from typing_extensions import override
 
 from lightning_lowmem.surgery import LowMemReport, apply_lowmem
+from lightning_lowmem.surgery.deferred import CallArgs, at_first_call
+from lightning_lowmem.surgery.plan import ExampleInputError
 
 
 class LowMemBP(Callback):
     """Convert the LightningModule for low-memory backpropagation before training starts.
 
     GELU/SiLU modules become ReGELU2/ReSiLU2, gated MLPs one fused exact product that saves less,
-    LayerNorm/RMSNorm layers whose output reaches only linear layers memory-sharing norms
-    (decided by a probe forward on ``LightningModule.example_input_array``; without it no norm
-    is converted); linear layers recast their weights in backward. Parameter names do not
-    change, so checkpoints load into the stock model and back. The report is printed once at fit start on rank 0 and kept in
-    :attr:`report`. The arguments are those of :func:`~lightning_lowmem.surgery.apply_lowmem`.
+    LayerNorm/RMSNorm layers whose output linear layers read memory-sharing norms (decided by a
+    probe forward on ``LightningModule.example_input_array``, or, without one, on the first
+    training batch's forward), linear layers recast their weights in backward. Parameter names do
+    not change, so checkpoints load into the stock model and back. The report is printed once on
+    rank 0 and kept in :attr:`report`. The arguments are those of
+    :func:`~lightning_lowmem.surgery.apply_lowmem`.
     """
 
     def __init__(
@@ -48,8 +59,17 @@ class LowMemBP(Callback):
         }  # fmt: skip
         self.report: LowMemReport | None = None
         self._printed = False
+        self._converted: WeakSet[pl.LightningModule] = WeakSet()  # modules converted or waiting for their input
 
+    @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if sum(isinstance(callback, LowMemBP) for callback in trainer.callbacks) > 1:
+            raise MisconfigurationException(
+                "Trainer(callbacks=...) holds more than one LowMemBP: a model is converted once; pass one LowMemBP "
+                "with all the options"
+            )
+        if pl_module in self._converted:  # a repeated fit/validate/test: nothing left to do
+            return
         configure_model = pl_module.configure_model  # the user's, or the no-op default
 
         def configure_then_convert() -> None:
@@ -61,17 +81,58 @@ class LowMemBP(Callback):
         # calls it inside its init contexts, after LightningModule.setup
         pl_module.configure_model = configure_then_convert
 
+    @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         pl_module.__dict__.pop("configure_model", None)
 
+    @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.report is not None and not self._printed:
-            rank_zero_info(f"LowMemBP: model surgery at setup, probed on example_input_array\n{self.report.table()}")
-            self._printed = True
+        self._print_once()
+
+    @override
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._print_once()
+
+    @override
+    def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._print_once()
+
+    @override
+    def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._print_once()
+
+    def _print_once(self) -> None:
+        if self.report is None or self._printed:
+            return
+        if self.report.pending:
+            rank_zero_info(
+                "LowMemBP: no example_input_array: the model is converted at the first training forward, "
+                "on that batch, before it runs"
+            )
+            return
+        rank_zero_info(f"LowMemBP: model surgery\n{self.report.table()}")
+        self._printed = True
 
     def _convert(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         example: Any = pl_module.example_input_array
+        self._converted.add(pl_module)
+        if example is None and self.options["norm"] not in (False, None, "off"):
+            self.report = LowMemReport(pending=True)
+            at_first_call(pl_module, lambda call: self._convert_on(trainer, pl_module, call), any_submodule=True)
+            return
         with trainer.precision_plugin.forward_context():
-            report = apply_lowmem(pl_module, example_input=example, **self.options)
-        if self.report is None or report.converted:  # a repeated fit/validate/test changes nothing
-            self.report = report
+            self.report = apply_lowmem(pl_module, example_input=example, **self.options)
+
+    def _convert_on(self, trainer: pl.Trainer, pl_module: pl.LightningModule, call: CallArgs) -> bool:
+        """The surgery at the first training forward (inside ``training_step``: precision context on)."""
+        call = trainer.strategy.broadcast(call, src=0)  # every rank probes rank 0's input: one decision
+        try:
+            report = apply_lowmem(pl_module, example_input=call, **self.options)
+        except ExampleInputError:
+            return False  # the forward goes on, stock, and raises the model's own error
+        decision = tuple((entry.name, entry.status) for entry in report.entries)
+        if not trainer.strategy.reduce_boolean_decision(decision == trainer.strategy.broadcast(decision), all=True):
+            raise RuntimeError("LowMemBP: the ranks converted the model differently; stopping every rank")
+        self.report = report
+        self._print_once()
+        return True

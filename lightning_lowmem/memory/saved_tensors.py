@@ -17,6 +17,13 @@ from torch import nn
 from typing_extensions import Self
 
 MIB = float(1 << 20)
+OBSERVER = "_lowmem_observer"  # marks module hooks that only watch: replacing the module loses nothing
+
+
+def observer(hook):
+    """``hook``, marked as one that only watches (model surgery may replace the module it is on)."""
+    setattr(hook, OBSERVER, True)
+    return hook
 
 
 @dataclass(frozen=True)
@@ -80,9 +87,10 @@ class SavedTensorMeter:
         if self.model is not None:
             tensors = [*self.model.parameters(), *self.model.buffers()]
             self._excluded = {_storage_key(t) for t in tensors}
+            leave = observer(lambda module, args, output: self._leave_module())
             for name, module in self.model.named_modules():
                 self._module_hooks.append(module.register_forward_pre_hook(self._enter_module(name)))
-                self._module_hooks.append(module.register_forward_hook(self._leave_module, always_call=True))
+                self._module_hooks.append(module.register_forward_hook(leave, always_call=True))
         self._graph_hooks.__enter__()
         return self
 
@@ -94,12 +102,13 @@ class SavedTensorMeter:
         self._module_stack.clear()
 
     def _enter_module(self, name: str):
+        @observer
         def hook(module, args):
             self._module_stack.append(name or "<root>")
 
         return hook
 
-    def _leave_module(self, module, args, output):
+    def _leave_module(self) -> None:
         if self._module_stack:
             self._module_stack.pop()
 

@@ -9,9 +9,10 @@ moves into those linears (:class:`~lightning_lowmem.nn.LowMemLinear`) without re
 parameter, so checkpoints stay interchangeable with the stock model. Every other ``nn.Linear``
 recasts its weight in backward instead of saving a half-precision copy under autocast.
 
-The pipeline: :func:`.plan.nominate` -> :func:`.plan.trace_norms` -> :func:`.plan.make_plan`
-(nothing changed yet) -> apply the plan, check the outputs against the stock model's, measure
-(:mod:`.convert`); any exception in the last step rolls everything back.
+The pipeline (:func:`convert`): :func:`.plan.nominate` -> :func:`.plan.trace_norms` ->
+:func:`.plan.make_plan` (nothing changed yet) -> apply the plan, check the outputs against the
+stock model's, measure (:mod:`.convert`); any exception in the last step rolls everything back.
+Without an example input it runs at the model's first training forward (:mod:`.deferred`).
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ from torch._dynamo import OptimizedModule
 from lightning_lowmem.nn import LowMemLinear
 from lightning_lowmem.nn.peft import redundant_input_casts
 from lightning_lowmem.surgery.convert import Surgery, check_same, eval_outputs, output_tolerance, saved_bytes
-from lightning_lowmem.surgery.plan import Options, make_plan, nominate, trace_norms
+from lightning_lowmem.surgery.dataflow import describe
+from lightning_lowmem.surgery.deferred import CallArgs, at_first_call
+from lightning_lowmem.surgery.plan import ExampleInputError, Options, make_plan, nominate, trace_norms
 from lightning_lowmem.surgery.report import LowMemReport
 
 
@@ -61,8 +64,9 @@ def apply_lowmem(
             product anyway); ``False`` leaves them, and then ``activation`` converts their
             activation like any other.
         example_input: an input as Lightning's ``example_input_array`` (tensor, tuple of
-            positional args, or dict of keyword args); enables norm conversion, the check of
-            the outputs and the memory measurement.
+            positional args, or dict of keyword args) for the probe that decides the norms, the
+            check of the outputs and the memory measurement; without it they run on the first
+            training forward's input (see below).
         verify: compare the converted model's outputs with the stock model's (rolls back and
             raises on a mismatch).
         measure: record the saved-for-backward bytes of one forward before and after.
@@ -70,20 +74,54 @@ def apply_lowmem(
             paper's constants), or 1, 3, 4 (fitted tables; 3 is stored in 4 bits). Fewer bits
             save less memory, more bits a gradient closer to exact (benchmarks/RESULTS.md "kbit").
 
+    Without ``example_input`` (and with ``norm`` on) the conversion waits for the model's first
+    forward with gradients enabled, runs on that forward's own input (probe, convert, verify: all
+    or nothing) and lets that forward go on through the converted model; the report fills in then
+    (``report.pending`` until then). If the model cannot run that input, nothing changes and the
+    model's own error surfaces; the next training forward tries again.
+
     Returns:
         The :class:`LowMemReport`. Running it again on a converted model changes nothing.
     """
     if isinstance(model, OptimizedModule):  # torch.compile'd: convert the module it compiles
+        if example_input is None and norm:
+            raise ValueError(
+                "apply_lowmem: a torch.compile'd model is converted on an example input: pass example_input, "
+                "or call apply_lowmem before torch.compile"
+            )
         model = model._orig_mod
     options = Options.parse(model, activation, norm, linear, gated, include, exclude, bits)
+    report = LowMemReport()
+    if example_input is None and options.norm:
+        report.pending = True
+
+        def convert_at_first_call(call: CallArgs) -> bool:
+            try:
+                convert(report, model, options, call, verify, measure)
+            except ExampleInputError:
+                return False  # the forward goes on, stock, and raises the model's own error
+            return True
+
+        at_first_call(model, convert_at_first_call)
+        return report
+    convert(report, model, options, example_input, verify, measure)
+    return report
+
+
+def convert(
+    report: LowMemReport, model: nn.Module, options: Options, example: Any, verify: bool, measure: bool
+) -> None:
+    """The whole surgery, filling ``report``: decide (nothing changed yet), then change, check and measure,
+    undoing every change if anything raises."""
     found = nominate(model, options)
-    flow = trace_norms(model, example_input, found, options)
+    flow = trace_norms(model, example, found, options)
     plan = make_plan(model, found, flow, options)
-    has_example = example_input is not None
-    report = LowMemReport(entries=plan.entries, linears=plan.linears)
+    has_example = example is not None
+    report.entries, report.linears, report.pending = plan.entries, plan.linears, False
+    report.probe = describe(example) if has_example else None
     if has_example and measure:
-        report.saved_bytes_before = saved_bytes(model, example_input)
-    reference = (flow.outputs or eval_outputs(model, example_input)) if has_example and verify else None
+        report.saved_bytes_before = saved_bytes(model, example)
+    reference = (flow.outputs or eval_outputs(model, example)) if has_example and verify else None
 
     surgery = Surgery(model, plan.replacements.values())
     try:
@@ -92,10 +130,9 @@ def apply_lowmem(
         for layer in list(redundant_input_casts(model, LowMemLinear)):  # LowMemLinear casts its input itself
             surgery.set(layer, "cast_input_dtype_enabled", False)
         if reference is not None:
-            check_same(reference, eval_outputs(model, example_input), output_tolerance(model))
+            check_same(reference, eval_outputs(model, example), output_tolerance(model))
         if report.saved_bytes_before is not None:
-            report.saved_bytes_after = saved_bytes(model, example_input)
+            report.saved_bytes_after = saved_bytes(model, example)
     except BaseException:
         surgery.rollback()
         raise
-    return report

@@ -17,6 +17,7 @@ from collections import defaultdict
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -110,16 +111,22 @@ class _Probe(TorchFunctionMode):
         return out
 
 
+def _as_is(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
 @contextmanager
 def isolated(model: nn.Module, train: bool) -> Iterator[None]:
-    """Run a throwaway forward: same mode requested, RNG and buffers restored afterwards."""
+    """Run a throwaway forward: same mode requested, RNG and buffers restored afterwards, and what it
+    saves for backward hidden from any saved-tensor hooks around it (a SavedTensorMeter measuring the
+    training step that triggered the surgery)."""
     was_training = model.training
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
     devices = sorted({b.device.index for b in model.parameters() if b.device.type == "cuda"})
     with torch.random.fork_rng(devices=devices):
         model.train(train)
         try:
-            with torch.set_grad_enabled(train):
+            with torch.set_grad_enabled(train), torch.autograd.graph.saved_tensors_hooks(_as_is, _as_is):
                 yield
         finally:
             model.train(was_training)
@@ -132,15 +139,36 @@ def isolated(model: nn.Module, train: bool) -> Iterator[None]:
 def call(model: nn.Module, example: Any) -> Any:
     """Call ``model`` the Lightning way: a tuple is positional args, a dict keyword args; a captured
     :class:`~.deferred.CallArgs` is replayed as it was made."""
-    if isinstance(example, CallArgs):
-        return model.get_submodule(example.module)(*example.args, **example.kwargs)
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    example = tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, example)
+    to_device = partial(tree_map, lambda t: t.to(device) if isinstance(t, torch.Tensor) else t)
+    if isinstance(example, CallArgs):
+        return model.get_submodule(example.module)(*to_device(example.args), **to_device(example.kwargs))
+    example = to_device(example)
     if isinstance(example, tuple):
         return model(*example)
     if isinstance(example, Mapping):
         return model(**example)
     return model(example)
+
+
+def describe(example: Any) -> str:
+    """An example input in a line, e.g. ``model.backbone(tensor[8, 3, 32, 32], attention_mask=tensor[8, 16])``."""
+
+    def show(value: Any) -> str:
+        if isinstance(value, torch.Tensor):
+            return f"tensor[{', '.join(map(str, value.shape))}]"
+        return type(value).__name__
+
+    if isinstance(example, CallArgs):
+        args, kwargs, module = example.args, example.kwargs, example.module or "model"
+    elif isinstance(example, tuple):
+        args, kwargs, module = example, {}, "model"
+    elif isinstance(example, Mapping):
+        args, kwargs, module = (), example, "model"
+    else:
+        args, kwargs, module = (example,), {}, "model"
+    parts = [show(a) for a in args] + [f"{k}={show(v)}" for k, v in kwargs.items()]
+    return f"{module}({', '.join(parts)})"
 
 
 def trace(model: nn.Module, example: Any, norms: dict[str, nn.Module], activations: set[nn.Module]) -> Flow:

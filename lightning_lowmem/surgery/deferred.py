@@ -1,9 +1,9 @@
-"""Surgery at the model's first forward, on that forward's own input, when no example input is given.
+"""Surgery at the model's first training forward, on that forward's own input, when no example is given.
 
 A one-shot forward pre-hook captures the call (:class:`CallArgs`), runs the conversion with it as
 the example (probe, convert, verify: all or nothing), removes itself, and lets the forward go on
-through the converted modules. Forwards in inference mode are let through unconverted: they
-record no autograd graph, so the probe could not see what a training step saves.
+through the converted modules. Forwards without gradients (evaluation, inference mode) are let
+through unconverted: they save nothing for backward, and a training step may take other paths.
 """
 
 from __future__ import annotations
@@ -25,24 +25,19 @@ class CallArgs:
     kwargs: dict[str, Any] = field(default_factory=dict)
     module: str = ""
 
-    def describe(self) -> str:
-        """E.g. ``model.backbone(tensor[8, 3, 32, 32], attention_mask=tensor[8, 16])``."""
 
-        def show(value: Any) -> str:
-            if isinstance(value, torch.Tensor):
-                return f"tensor[{', '.join(map(str, value.shape))}]"
-            return type(value).__name__
-
-        parts = [show(a) for a in self.args] + [f"{k}={show(v)}" for k, v in self.kwargs.items()]
-        return f"{self.module or 'model'}({', '.join(parts)})"
-
-
-def at_first_call(root: nn.Module, run: Callable[[CallArgs], None], any_submodule: bool = False) -> Callable[[], None]:
-    """Call ``run`` once, before the first forward of ``root`` outside inference mode (with ``any_submodule``:
-    of whichever module of ``root`` is called first, e.g. ``self.model`` inside a LightningModule's
-    ``training_step``). Returns a function that removes the hooks unused."""
+def at_first_call(
+    root: nn.Module, run: Callable[[CallArgs], bool], any_submodule: bool = False
+) -> Callable[[], None]:
+    """Call ``run`` before the first forward of ``root`` with gradients enabled (with ``any_submodule``: of
+    whichever module of ``root`` is called first, e.g. ``self.model`` inside a LightningModule's
+    ``training_step``). ``run`` returns False to be called again at the next such forward. Returns a
+    function that removes the hooks unused."""
     names = {module: name for name, module in root.named_modules()} if any_submodule else {root: ""}
     handles: list[RemovableHandle] = []
+
+    def install() -> None:
+        handles.extend(module.register_forward_pre_hook(pre_hook, with_kwargs=True) for module in names)
 
     def remove() -> None:
         for handle in handles:
@@ -50,11 +45,11 @@ def at_first_call(root: nn.Module, run: Callable[[CallArgs], None], any_submodul
         handles.clear()
 
     def pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if not handles or torch.is_inference_mode_enabled():
+        if not handles or not torch.is_grad_enabled():
             return
-        remove()  # before running: the probe calls the model again
-        run(CallArgs(tuple(args), dict(kwargs), names[module]))
+        remove()  # before running: the surgery must see hook-free modules, and it calls the model itself
+        if not run(CallArgs(tuple(args), dict(kwargs), names[module])):
+            install()
 
-    for module in names:
-        handles.append(module.register_forward_pre_hook(pre_hook, with_kwargs=True))
+    install()
     return remove

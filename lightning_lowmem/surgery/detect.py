@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
+from lightning_lowmem.memory.saved_tensors import OBSERVER
 from lightning_lowmem.nn import GatedMLP, GatedMLPBase, TimmGluMlp
 from lightning_lowmem.ops.activation_registry import ACTIVATIONS
 
@@ -42,9 +43,10 @@ class NormSpec:
 
 
 def is_plain(module: nn.Module) -> bool:
-    """No hooks and no per-instance ``forward`` (e.g. accelerate offloading): safe to replace."""
-    hooks = module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
-    return not hooks and "forward" not in module.__dict__
+    """No hooks (but observers, such as a running SavedTensorMeter's) and no per-instance ``forward``
+    (e.g. accelerate offloading): safe to replace."""
+    hooks = (*module._forward_hooks.values(), *module._forward_pre_hooks.values(), *module._backward_hooks.values())
+    return not any(not getattr(hook, OBSERVER, False) for hook in hooks) and "forward" not in module.__dict__
 
 
 def is_activation_candidate(module: nn.Module) -> bool:

@@ -39,6 +39,10 @@ _CONVERTED: dict[type[nn.Module], EntryKind] = {
 _GATED_NAMES = {"silu": "SwiGLU", "gelu": "GeGLU", "gelu_tanh": "GeGLU (tanh)"}
 
 
+class ExampleInputError(RuntimeError):
+    """The model fails on the example input (the model's own error is the cause); nothing was changed."""
+
+
 def _enabled(option: Any, name: str) -> bool:
     if option in ("auto", True):
         return True
@@ -155,7 +159,7 @@ def trace_norms(model: nn.Module, example: Any, found: Candidates, options: Opti
     try:
         flow = dataflow.trace(model, example, {n: named[n] for n in found.norms}, activations)
     except Exception as err:
-        raise RuntimeError(
+        raise ExampleInputError(
             f"apply_lowmem: {type(model).__name__} cannot run the example input ({type(err).__name__}: {err}); "
             "nothing was changed"
         ) from err

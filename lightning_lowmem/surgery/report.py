@@ -26,13 +26,17 @@ class Entry:
 class LowMemReport:
     """The candidates, their fates, and the saved-for-backward bytes of one training forward.
 
-    ``saved_bytes_before`` / ``_after`` are measured on the example input (``None`` without one).
+    ``probe`` describes the input the surgery ran on (the example, or the first training forward's
+    call); ``saved_bytes_before`` / ``_after`` are measured on it (``None`` without one).
+    ``pending``: no example was given and the model has not run a training forward yet.
     """
 
     entries: list[Entry] = field(default_factory=list)
     linears: int = 0
     saved_bytes_before: int | None = None
     saved_bytes_after: int | None = None
+    probe: str | None = None
+    pending: bool = False
 
     def _with(self, status: EntryStatus, kind: EntryKind | None = None) -> list[Entry]:
         return [e for e in self.entries if e.status == status and kind in (None, e.kind)]
@@ -60,6 +64,8 @@ class LowMemReport:
         return 1.0 - self.saved_bytes_after / self.saved_bytes_before
 
     def summary(self) -> str:
+        if self.pending:
+            return "pending: converts at the model's first training forward, on that forward's input"
         counts = ", ".join(
             f"{len(self._with(status, kind))} {kind}s {status}"
             for kind in ("activation", "gated MLP", "norm")
@@ -72,10 +78,12 @@ class LowMemReport:
                 f"; saved for backward by one forward: {self.saved_bytes_before / MIB:.2f} MiB -> "
                 f"{self.saved_bytes_after / MIB:.2f} MiB (-{100 * self.reduction:.1f}%)"
             )
-        return line
+        return line + (f"; probed on {self.probe}" if self.probe else "")
 
     def table(self) -> str:
         """A ModelSummary-like table: every candidate, its fate and the reason."""
+        if self.pending:
+            return self.summary()
         header = ("", "Name", "Kind", "Was", "Status", "Detail")
         rows = [(str(i), e.name, e.kind, e.was, e.status, e.detail) for i, e in enumerate(self.entries)]
         widths = [max(len(row[c]) for row in [header, *rows]) for c in range(len(header))]
