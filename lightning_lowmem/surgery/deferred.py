@@ -26,9 +26,7 @@ class CallArgs:
     module: str = ""
 
 
-def at_first_call(
-    root: nn.Module, run: Callable[[CallArgs], bool], any_submodule: bool = False
-) -> Callable[[], None]:
+def at_first_call(root: nn.Module, run: Callable[[CallArgs], bool], any_submodule: bool = False) -> Callable[[], None]:
     """Call ``run`` before the first forward of ``root`` with gradients enabled (with ``any_submodule``: of
     whichever module of ``root`` is called first, e.g. ``self.model`` inside a LightningModule's
     ``training_step``). ``run`` returns False to be called again at the next such forward. Returns a
