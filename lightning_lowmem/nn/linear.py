@@ -5,7 +5,8 @@ output it saves the norm's ``z`` instead of the input (:func:`~lightning_lowmem.
 any other input is an ordinary linear call. Under autocast it recasts its weight from the
 parameter in backward instead of saving a half-precision copy. Outside autocast it casts an
 input of another dtype to its weight's, as a peft LoRA layer's input cast would (surgery turns
-that copy off, see :func:`~lightning_lowmem.nn.peft.redundant_input_casts`).
+that copy off, see :func:`~lightning_lowmem.nn.peft.redundant_input_casts`), saving a narrower
+input as it is (fp32 adapters on a bf16 model share the bf16 tensor other layers save).
 """
 
 from __future__ import annotations
@@ -41,8 +42,8 @@ class LowMemLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         z = None if self.norm is None else shared_from(x, self.norm)
         compute = autocast_dtype(x.device.type) if self.weight.is_floating_point() else None
-        if z is None and compute is None:
-            return F.linear(x if x.dtype == self.weight.dtype else x.to(self.weight.dtype), self.weight, self.bias)
+        if z is None and compute is None and x.dtype == self.weight.dtype:
+            return F.linear(x, self.weight, self.bias)
         gamma, beta = (None, None) if z is None else (self.norm.weight, self.norm.bias)
         return affine_linear(x, self.weight, self.bias, compute or self.weight.dtype, z, gamma, beta)
 

@@ -97,7 +97,8 @@ def _weight_grad(
 
 class AffineLinearFunction(torch.autograd.Function):
     """``F.linear(x, W, b)`` in ``dtype`` saving, instead of ``x``, the ``z`` with ``x = gamma * z + beta``
-    (or ``x`` in ``dtype`` when ``z`` is ``None``), and parameters only."""
+    (or ``x``, as it is when ``dtype`` holds it exactly, else in ``dtype``, when ``z`` is ``None``), and
+    parameters only."""
 
     @staticmethod
     def forward(ctx, x, z, weight, bias, gamma, beta, dtype: torch.dtype):
@@ -105,8 +106,10 @@ class AffineLinearFunction(torch.autograd.Function):
             x_in = x.to(dtype)
             out = F.linear(x_in, weight.to(dtype), None if bias is None else bias.to(dtype))
         _, _, needs_w, _, needs_gamma, _, _ = ctx.needs_input_grad
-        # only the weight and gamma gradients read the input: a frozen linear saves none, as stock
-        saved = (x_in if z is None else z) if needs_w or needs_gamma else None
+        # only the weight and gamma gradients read the input: a frozen linear saves none, as stock; a
+        # narrower input (bf16 into fp32 adapters) is saved as it is, and widened again in backward
+        narrower = torch.promote_types(x.dtype, dtype) == dtype
+        saved = (z if z is not None else x if narrower else x_in) if needs_w or needs_gamma else None
         ctx.save_for_backward(saved, weight, gamma, beta)
         ctx.dtype, ctx.x_dtype, ctx.shared = dtype, x.dtype, z is not None
         ctx.z_dtype = None if z is None else z.dtype

@@ -26,7 +26,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from lightning_lowmem.nn.peft import lora_dropouts
+from lightning_lowmem.nn.peft import is_lora_layer, lora_dropouts
 from lightning_lowmem.surgery.deferred import CallArgs
 
 _METADATA = {
@@ -36,6 +36,7 @@ _METADATA = {
     "is_sparse", "is_meta", "is_nested", "is_quantized", "names", "is_mps",
 }  # fmt: skip
 _PASS_THROUGH = {"to", "contiguous", "type_as", "cpu", "cuda"}  # reads nothing when they return the input itself
+_CASTS = {"to", "type_as"}
 _FUNCTIONAL_ACTIVATIONS = {F.gelu: "gelu", F.silu: "silu"}
 
 
@@ -99,6 +100,11 @@ class _Probe(TorchFunctionMode):
         for t in tree_flatten((args, kwargs))[0]:
             norm = self.source(t)
             if norm is None or name in _METADATA or (name in _PASS_THROUGH and out is t):
+                continue
+            if name in _CASTS and is_lora_layer(here) and isinstance(out, torch.Tensor):
+                # peft's cast of its input to the adapter dtype: the surgery switches it off (the converted
+                # lora_A casts, saving the norm's tensor), so what the adapters read is the norm's output
+                self.tagged[id(out)] = (out, norm)
                 continue
             if func is F.linear and args and args[0] is t and type(here) is nn.Linear and args[1] is here.weight:
                 self.flow.consumers[norm].add(where)
