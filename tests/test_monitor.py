@@ -288,13 +288,28 @@ def test_the_stock_reference_is_the_stock_model_measured_at_this_batch(lowmem_ru
     assert summary["lowmem"]["stock_activation_mib"] == pytest.approx(meter.peak_bytes / MIB, rel=0.03)
 
 
-def test_no_stock_estimate_under_mixed_precision_without_the_weight_copies():
-    """Autocast's weight copies do not grow with the batch: without them apart, no estimate."""
+def test_the_stock_estimate_scales_activations_but_not_autocasts_weight_copies():
     report = LowMemReport(saved_bytes_before=100 * int(MIB), saved_bytes_after=60 * int(MIB))
-    assert _stock_activation(report, 120.0, "32-true") == pytest.approx(200.0)
-    assert _stock_activation(report, 120.0, "bf16-mixed") is None
-    report.weight_copy_bytes_before, report.weight_copy_bytes_after = 40 * int(MIB), 0
-    assert _stock_activation(report, 120.0, "bf16-mixed") == pytest.approx(60 * 2 + 40)
+    report.weight_copy_bytes_before = report.weight_copy_bytes_after = 0
+    assert _stock_activation(report, 120.0) == pytest.approx(200.0)  # the run's batch holds twice the example's
+    report.weight_copy_bytes_before = 40 * int(MIB)  # of the stock 100 MiB, 40 are weight copies; none after
+    assert _stock_activation(report, 120.0) == pytest.approx(60 * 2 + 40)
+
+
+def test_the_stock_reference_under_mixed_precision_is_the_stock_model_at_this_batch(tmp_path):
+    """bf16 autocast: the stock model saves a copy of every weight; the estimate keeps them apart."""
+    monitor = PeakMemoryMonitor(activation_every_n_steps=1)
+    pl.Trainer(
+        accelerator="cpu", max_steps=1, default_root_dir=tmp_path, logger=False, callbacks=[LowMemBP(), monitor],
+        plugins=[LowMemPrecision("bf16-mixed")], enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False,
+    ).fit(PreNormMLP(final_norm=True))  # fmt: skip
+    summary = json.loads((tmp_path / "peak_memory.json").read_text())
+    assert summary["lowmem"]["weight_copy_mib_before"] > 0 == summary["lowmem"]["weight_copy_mib_after"]
+    model = PreNormMLP(final_norm=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16), SavedTensorMeter(model) as meter:
+        model.training_step(torch.randn(4, 16, 64), 0)
+    assert summary["lowmem"]["stock_activation_mib"] == pytest.approx(meter.peak_bytes / MIB, rel=0.03)
 
 
 @needs_matplotlib
@@ -305,8 +320,9 @@ def test_without_a_stock_estimate_the_png_states_the_saving_at_conversion(lowmem
     lowmem = summary["lowmem"]
     assert "stock model (estimated)" not in [line.get_label() for line in activation.get_lines()]
     assert activation.texts[0].get_text() == (
-        f"LowMemBP at conversion (example input):\n{lowmem['saved_mib_before']:.2f} → "
-        f"{lowmem['saved_mib_after']:.2f} MiB, saves {100 * lowmem['reduction']:.1f}%"
+        "LowMemBP at conversion, on model(tensor[4, 16, 64]):\n"
+        f"activations {lowmem['saved_mib_before']:.2f} → {lowmem['saved_mib_after']:.2f} MiB, "
+        f"saves {100 * lowmem['reduction']:.1f}%"  # fp32: no weight copies
     )
 
 

@@ -274,7 +274,7 @@ class PeakMemoryMonitor(Callback):
         if report is not None:
             activation = self.history[0]["train"].get("activation")
             outside = self.modules_mib.get("<outside>", 0.0)
-            summary["lowmem"] = _lowmem_summary(report, activation, outside, str(trainer.precision))
+            summary["lowmem"] = _lowmem_summary(report, activation, outside)
         return summary
 
     @staticmethod
@@ -289,48 +289,42 @@ class PeakMemoryMonitor(Callback):
                 add_figure(tag, figure, global_step=trainer.global_step, close=False)
 
 
-def _lowmem_summary(
-    report: LowMemReport, activation_mib: float | None, outside_mib: float, precision: str
-) -> dict[str, Any]:
+def _lowmem_summary(report: LowMemReport, activation_mib: float | None, outside_mib: float) -> dict[str, Any]:
     """What LowMemBP converted, left alone and measured at conversion, for the pictures.
 
     ``outside_mib``: what the training step saved outside the model (the loss), which the
     measurement at conversion does not see and the surgery does not change.
     """
-    summary: dict[str, Any] = {"entries": [dataclasses.asdict(entry) for entry in report.entries]}
+    summary: dict[str, Any] = {
+        "entries": [dataclasses.asdict(entry) for entry in report.entries],
+        "probe": report.probe,
+    }
     if report.reduction is not None:
         summary["saved_mib_before"] = round(report.saved_bytes_before / MIB, 4)
         summary["saved_mib_after"] = round(report.saved_bytes_after / MIB, 4)
+        summary["weight_copy_mib_before"] = round(report.weight_copy_bytes_before / MIB, 4)
+        summary["weight_copy_mib_after"] = round(report.weight_copy_bytes_after / MIB, 4)
         summary["reduction"] = round(report.reduction, 4)
-        stock = _stock_activation(report, activation_mib and activation_mib - outside_mib, precision)
+        stock = _stock_activation(report, activation_mib and activation_mib - outside_mib)
         if stock is not None:
             summary["stock_activation_mib"] = round(stock + outside_mib, 3)
-    for field in ("saved_by_module_before", "saved_by_module_after"):  # per-module bytes, when the report has them
-        by_module = getattr(report, field, None)
-        if by_module:
-            summary[f"{field}_mib"] = {name: round(nbytes / MIB, 4) for name, nbytes in by_module.items()}
+        for stage in ("before", "after"):
+            by_module = getattr(report, f"saved_by_module_{stage}")
+            summary[f"saved_by_module_{stage}_mib"] = {name: round(n / MIB, 4) for name, n in by_module.items()}
     return summary
 
 
-def _stock_activation(report: LowMemReport, activation_mib: float | None, precision: str) -> float | None:
-    """The stock model's activation MiB at this run's batch, from the converted model's and LowMemBP's measurement.
+def _stock_activation(report: LowMemReport, activation_mib: float | None) -> float | None:
+    """The stock model's MiB at this run's batch, from the converted model's figure and LowMemBP's measurement.
 
     The report measured one forward on the example input, not on this run's batch. Activations
     grow with the batch and scale by the ratio the converted model shows; autocast's weight copies
-    do not, so under mixed precision the estimate needs them apart (``weight_copy_bytes_before`` /
-    ``_after``); without them there is none.
+    do not, so they are kept apart.
     """
-    copies_before = getattr(report, "weight_copy_bytes_before", None)
-    copies_after = getattr(report, "weight_copy_bytes_after", None)
-    if copies_before is None or copies_after is None:
-        if "mixed" in precision:
-            return None
-        copies_before = copies_after = 0
-    activations_after = report.saved_bytes_after - copies_after
-    if not activation_mib or activations_after <= 0:
+    if not activation_mib or not report.activation_bytes_after:
         return None
-    scale = (activation_mib * MIB - copies_after) / activations_after
-    return ((report.saved_bytes_before - copies_before) * scale + copies_before) / MIB
+    scale = (activation_mib * MIB - report.weight_copy_bytes_after) / report.activation_bytes_after
+    return (report.activation_bytes_before * scale + report.weight_copy_bytes_before) / MIB
 
 
 def _log_dir(trainer: pl.Trainer) -> Path:

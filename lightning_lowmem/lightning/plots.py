@@ -102,12 +102,21 @@ def _stock_reference(ax: Axes, summary: dict[str, Any]) -> float:
         ax.text(0.03, stock, text, color="0.25", transform=ax.get_yaxis_transform(), va="bottom", fontsize="small")
         return stock
     if "reduction" in lowmem:  # the stock figure at this batch is unknown: say what was measured, where
-        text = (
-            f"LowMemBP at conversion (example input):\n{lowmem['saved_mib_before']:.2f} → "
-            f"{lowmem['saved_mib_after']:.2f} MiB, saves {100 * lowmem['reduction']:.1f}%"
-        )
-        ax.text(0.03, 0.97, text, color="0.25", transform=ax.transAxes, va="top", fontsize="small")
+        ax.text(0.03, 0.97, conversion_text(lowmem), color="0.25", transform=ax.transAxes, va="top", fontsize="small")
     return 0.0
+
+
+def conversion_text(lowmem: dict[str, Any]) -> str:
+    """What LowMemBP measured at conversion: activations, and autocast's weight copies apart."""
+    before = lowmem["saved_mib_before"] - lowmem["weight_copy_mib_before"]
+    after = lowmem["saved_mib_after"] - lowmem["weight_copy_mib_after"]
+    text = (
+        f"LowMemBP at conversion, on {lowmem['probe']}:\n"
+        f"activations {before:.2f} → {after:.2f} MiB, saves {100 * lowmem['reduction']:.1f}%"
+    )
+    if lowmem["weight_copy_mib_before"]:
+        text += f"\nautocast's weight copies {lowmem['weight_copy_mib_before']:.2f} → {lowmem['weight_copy_mib_after']:.2f} MiB"
+    return text
 
 
 def module_figure(summary: dict[str, Any], top: int = 15) -> Figure | None:

@@ -4,7 +4,8 @@ Every tensor saved for backward passes through ``torch.autograd.graph.saved_tens
 The meter counts each *storage* once (a tensor shared by two ops, e.g. an MS norm's
 output and the next linear's input, is one storage), skips parameters and buffers, and
 tracks how many bytes the graph holds at any moment, so it reports both the total saved by
-a forward and the peak held.
+a forward and the peak held. It tells apart the copies of parameters in another dtype that
+autocast makes for each linear (they do not grow with the batch) from activations proper.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ class SavedStorage:
     shape: tuple[int, ...]
     dtype: torch.dtype
     nbytes: int
+    weight_copy: bool = False  # a parameter cast to another dtype (autocast's weight copies)
 
 
 class _Held:
@@ -73,11 +75,13 @@ class SavedTensorMeter:
         self.model = model
         self.records: list[SavedStorage] = []
         self.total_bytes = 0
+        self.weight_copy_bytes = 0
         self.live_bytes = 0
         self.peak_bytes = 0
         self._refs: dict[tuple, int] = {}
         self._sizes: dict[tuple, int] = {}
         self._excluded: set[tuple] = set()
+        self._parameters_by_shape: dict[tuple[int, ...], list[torch.Tensor]] = defaultdict(list)
         self._module_stack: list[str] = []
         self._module_hooks: list = []
         self._graph_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
@@ -87,6 +91,8 @@ class SavedTensorMeter:
         if self.model is not None:
             tensors = [*self.model.parameters(), *self.model.buffers()]
             self._excluded = {_storage_key(t) for t in tensors}
+            for parameter in self.model.parameters():
+                self._parameters_by_shape[tuple(parameter.shape)].append(parameter)
             leave = observer(lambda module, args, output: self._leave_module())
             for name, module in self.model.named_modules():
                 self._module_hooks.append(module.register_forward_pre_hook(self._enter_module(name)))
@@ -116,6 +122,14 @@ class SavedTensorMeter:
     def _is_parameter(self, t: torch.Tensor) -> bool:
         return isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter) or _storage_key(t) in self._excluded
 
+    def _is_weight_copy(self, t: torch.Tensor) -> bool:
+        """``t`` (or the tensor it is a view of: a linear saves its weight transposed) equals a parameter of
+        the model cast to ``t``'s dtype; only parameters of the same shape are compared."""
+        base = t if t._base is None else t._base
+        candidates = [p for p in self._parameters_by_shape.get(tuple(base.shape), ()) if p.dtype != base.dtype]
+        with torch.no_grad():
+            return any(p.device == base.device and torch.equal(p.to(base.dtype), base) for p in candidates)
+
     def _pack(self, t: torch.Tensor):
         if self._is_parameter(t):
             return t
@@ -126,8 +140,10 @@ class SavedTensorMeter:
             self.live_bytes += nbytes
             self.total_bytes += nbytes
             self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+            weight_copy = self._is_weight_copy(t)
+            self.weight_copy_bytes += nbytes if weight_copy else 0
             module = self._module_stack[-1] if self._module_stack else "<outside>"
-            self.records.append(SavedStorage(module, tuple(t.shape), t.dtype, nbytes))
+            self.records.append(SavedStorage(module, tuple(t.shape), t.dtype, nbytes, weight_copy))
         self._refs[key] = self._refs.get(key, 0) + 1
         return _Held(t.detach(), key, self)
 
@@ -142,6 +158,11 @@ class SavedTensorMeter:
             self.live_bytes -= self._sizes.pop(key)
 
     # -- reports ---------------------------------------------------------------------------
+    @property
+    def activation_bytes(self) -> int:
+        """Bytes saved less autocast's weight copies: what grows with the batch."""
+        return self.total_bytes - self.weight_copy_bytes
+
     @property
     def by_module(self) -> dict[str, int]:
         """Bytes first saved while each module (innermost, by qualified name) was running."""

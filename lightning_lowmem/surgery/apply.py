@@ -25,7 +25,7 @@ from torch._dynamo import OptimizedModule
 
 from lightning_lowmem.nn import LowMemLinear
 from lightning_lowmem.nn.peft import redundant_input_casts
-from lightning_lowmem.surgery.convert import Surgery, check_same, eval_outputs, output_tolerance, saved_bytes
+from lightning_lowmem.surgery.convert import Surgery, check_same, eval_outputs, measure_saved, output_tolerance
 from lightning_lowmem.surgery.dataflow import describe
 from lightning_lowmem.surgery.deferred import CallArgs, at_first_call
 from lightning_lowmem.surgery.plan import ExampleInputError, Options, make_plan, nominate, trace_norms
@@ -120,7 +120,7 @@ def convert(
     report.entries, report.linears, report.pending = plan.entries, plan.linears, False
     report.probe = describe(example) if has_example else None
     if has_example and measure:
-        report.saved_bytes_before = saved_bytes(model, example)
+        report.record(measure_saved(model, example), converted=False)
     reference = (flow.outputs or eval_outputs(model, example)) if has_example and verify else None
 
     surgery = Surgery(model, plan.replacements.values())
@@ -132,7 +132,7 @@ def convert(
         if reference is not None:
             check_same(reference, eval_outputs(model, example), output_tolerance(model))
         if report.saved_bytes_before is not None:
-            report.saved_bytes_after = saved_bytes(model, example)
+            report.record(measure_saved(model, example), converted=True)
     except BaseException:
         surgery.rollback()
         raise

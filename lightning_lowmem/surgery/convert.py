@@ -47,11 +47,11 @@ class Surgery:
         self.undo.clear()
 
 
-def saved_bytes(model: nn.Module, example: Any) -> int:
-    """Bytes saved for backward by one training-mode forward on ``example`` (RNG and buffers restored)."""
+def measure_saved(model: nn.Module, example: Any) -> SavedTensorMeter:
+    """What one training-mode forward on ``example`` saves for backward (RNG and buffers restored)."""
     with dataflow.isolated(model, train=True), SavedTensorMeter(model) as meter:
         dataflow.call(model, example)
-    return meter.total_bytes
+    return meter
 
 
 def eval_outputs(model: nn.Module, example: Any) -> list[torch.Tensor]:

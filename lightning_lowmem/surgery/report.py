@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
-from lightning_lowmem.memory import MIB
+from lightning_lowmem.memory import MIB, SavedTensorMeter
 
 EntryKind = Literal["activation", "gated MLP", "norm", "functional"]
 EntryStatus = Literal["converted", "already converted", "left alone"]
@@ -27,16 +27,29 @@ class LowMemReport:
     """The candidates, their fates, and the saved-for-backward bytes of one training forward.
 
     ``probe`` describes the input the surgery ran on (the example, or the first training forward's
-    call); ``saved_bytes_before`` / ``_after`` are measured on it (``None`` without one).
-    ``pending``: no example was given and the model has not run a training forward yet.
+    call); the bytes are measured on it (``None`` without one): everything saved
+    (``saved_bytes_*``), of which autocast's copies of weights in the compute dtype
+    (``weight_copy_bytes_*``, which do not grow with the batch), and per module. ``pending``: no
+    example was given and the model has not run a training forward yet.
     """
 
     entries: list[Entry] = field(default_factory=list)
     linears: int = 0
     saved_bytes_before: int | None = None
     saved_bytes_after: int | None = None
+    weight_copy_bytes_before: int | None = None
+    weight_copy_bytes_after: int | None = None
+    saved_by_module_before: dict[str, int] = field(default_factory=dict)
+    saved_by_module_after: dict[str, int] = field(default_factory=dict)
     probe: str | None = None
     pending: bool = False
+
+    def record(self, meter: SavedTensorMeter, converted: bool) -> None:
+        """Keep what ``meter`` measured on the stock (``converted=False``) or the converted model."""
+        suffix = "after" if converted else "before"
+        setattr(self, f"saved_bytes_{suffix}", meter.total_bytes)
+        setattr(self, f"weight_copy_bytes_{suffix}", meter.weight_copy_bytes)
+        setattr(self, f"saved_by_module_{suffix}", meter.by_module)
 
     def _with(self, status: EntryStatus, kind: EntryKind | None = None) -> list[Entry]:
         return [e for e in self.entries if e.status == status and kind in (None, e.kind)]
@@ -57,11 +70,21 @@ class LowMemReport:
         raise KeyError(f"{name!r} was not a candidate for conversion")
 
     @property
+    def activation_bytes_before(self) -> int | None:
+        """Saved bytes less autocast's weight copies, of the stock model: activations proper."""
+        return None if self.saved_bytes_before is None else self.saved_bytes_before - self.weight_copy_bytes_before
+
+    @property
+    def activation_bytes_after(self) -> int | None:
+        """Saved bytes less autocast's weight copies, of the converted model."""
+        return None if self.saved_bytes_after is None else self.saved_bytes_after - self.weight_copy_bytes_after
+
+    @property
     def reduction(self) -> float | None:
-        """Fraction of saved-for-backward bytes removed, when measured."""
-        if not self.saved_bytes_before or self.saved_bytes_after is None:
+        """Fraction of the activation bytes removed (autocast's weight copies apart), when measured."""
+        if not self.activation_bytes_before or self.activation_bytes_after is None:
             return None
-        return 1.0 - self.saved_bytes_after / self.saved_bytes_before
+        return 1.0 - self.activation_bytes_after / self.activation_bytes_before
 
     def summary(self) -> str:
         if self.pending:
@@ -75,8 +98,13 @@ class LowMemReport:
         line = f"{counts or 'no candidates'}; {self.linears} linear layers recast weights in backward"
         if self.reduction is not None:
             line += (
-                f"; saved for backward by one forward: {self.saved_bytes_before / MIB:.2f} MiB -> "
-                f"{self.saved_bytes_after / MIB:.2f} MiB (-{100 * self.reduction:.1f}%)"
+                f"; activations saved for backward by one forward: {self.activation_bytes_before / MIB:.2f} MiB -> "
+                f"{self.activation_bytes_after / MIB:.2f} MiB (-{100 * self.reduction:.1f}%)"
+            )
+        if self.weight_copy_bytes_before:
+            line += (
+                f", autocast's weight copies: {self.weight_copy_bytes_before / MIB:.2f} MiB -> "
+                f"{self.weight_copy_bytes_after / MIB:.2f} MiB"
             )
         return line + (f"; probed on {self.probe}" if self.probe else "")
 
