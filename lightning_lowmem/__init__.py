@@ -7,7 +7,7 @@ Memory-Sharing Backpropagation" (ICML 2024).
 
 from lightning_lowmem import functional, kernels, memory, nn
 from lightning_lowmem.lightning import LowMemBP, LowMemPrecision, PeakMemoryMonitor
-from lightning_lowmem.surgery import LowMemReport, apply_lowmem
+from lightning_lowmem.surgery import LowMemReport, apply_lowmem, max_batch_size, plan
 
 __version__ = "0.1.0"
 
@@ -19,6 +19,8 @@ __all__ = [
     "apply_lowmem",
     "functional",
     "kernels",
+    "max_batch_size",
     "memory",
     "nn",
+    "plan",
 ]

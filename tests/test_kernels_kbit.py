@@ -122,7 +122,7 @@ def test_surgery_and_callback_take_bits():
     from lightning_lowmem import LowMemBP, apply_lowmem
 
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8), torch.nn.SiLU())
-    apply_lowmem(model, bits=4)
+    apply_lowmem(model, bits=4, example_input=torch.randn(2, 8))
     assert model[1].bits == 4 and model[3].bits == 4
     assert LowMemBP(bits=1).options["bits"] == 1
     with pytest.raises(ValueError, match="bits"):

@@ -25,6 +25,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightning_lowmem.surgery import LowMemReport, apply_lowmem
+from lightning_lowmem.surgery.dataflow import describe
 from lightning_lowmem.surgery.deferred import CallArgs, at_first_call
 from lightning_lowmem.surgery.plan import ExampleInputError
 
@@ -38,7 +39,8 @@ class LowMemBP(Callback):
     training batch's forward), linear layers recast their weights in backward. Parameter names do
     not change, so checkpoints load into the stock model and back. The report is printed once on
     rank 0 and kept in :attr:`report`. The arguments are those of
-    :func:`~lightning_lowmem.surgery.apply_lowmem`.
+    :func:`~lightning_lowmem.surgery.apply_lowmem`; ``budget_mib`` applies to the training batch,
+    so the blocks to checkpoint are chosen on the first one.
     """
 
     def __init__(
@@ -52,11 +54,15 @@ class LowMemBP(Callback):
         verify: bool = True,
         measure: bool = True,
         bits: int = 2,
+        budget_mib: float | None = None,
+        checkpoint: str | Sequence[str] | None = None,
     ) -> None:
         self.options = {
             "activation": activation, "norm": norm, "include": include, "exclude": exclude,
             "linear": linear, "gated": gated, "verify": verify, "measure": measure, "bits": bits,
+            "checkpoint": checkpoint,
         }  # fmt: skip
+        self.budget_mib = budget_mib
         self.report: LowMemReport | None = None
         self._printed = False
         self._converted: WeakSet[pl.LightningModule] = WeakSet()  # modules converted or waiting for their input
@@ -110,7 +116,12 @@ class LowMemBP(Callback):
                 "on that batch, before it runs"
             )
             return
-        rank_zero_info(f"LowMemBP: model surgery\n{self.report.table()}")
+        budget = (
+            ""
+            if self.budget_mib is None
+            else f"\nactivation budget {self.budget_mib:g} MiB: fitted on the first training batch"
+        )
+        rank_zero_info(f"LowMemBP: model surgery\n{self.report.table()}{budget}")
         self._printed = True
 
     def _convert(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -118,21 +129,28 @@ class LowMemBP(Callback):
         self._converted.add(pl_module)
         if example is None and self.options["norm"] not in (False, None, "off"):
             self.report = LowMemReport(pending=True)
-            at_first_call(pl_module, lambda call: self._convert_on(trainer, pl_module, call), any_submodule=True)
-            return
-        with trainer.precision_plugin.forward_context():
-            self.report = apply_lowmem(pl_module, example_input=example, **self.options)
+        else:
+            with trainer.precision_plugin.forward_context():
+                self.report = apply_lowmem(pl_module, example_input=example, **self.options)
+            if self.budget_mib is None:
+                return
+        # the rest runs on the first training batch: the norms' probe, or the budget, which is per batch
+        at_first_call(pl_module, lambda call: self._convert_on(trainer, pl_module, call), any_submodule=True)
 
     def _convert_on(self, trainer: pl.Trainer, pl_module: pl.LightningModule, call: CallArgs) -> bool:
         """The surgery at the first training forward (inside ``training_step``: precision context on)."""
         call = trainer.strategy.broadcast(call, src=0)  # every rank probes rank 0's input: one decision
         try:
-            report = apply_lowmem(pl_module, example_input=call, **self.options)
+            report = apply_lowmem(pl_module, example_input=call, budget_mib=self.budget_mib, **self.options)
         except ExampleInputError:
             return False  # the forward goes on, stock, and raises the model's own error
-        decision = tuple((entry.name, entry.status) for entry in report.entries)
+        decision = (tuple((entry.name, entry.status) for entry in report.entries), report.checkpointed)
         if not trainer.strategy.reduce_boolean_decision(decision == trainer.strategy.broadcast(decision), all=True):
             raise RuntimeError("LowMemBP: the ranks converted the model differently; stopping every rank")
-        self.report = report
-        self._print_once()
+        if self.report.pending:
+            self.report = report
+            self._print_once()
+        else:  # converted at setup on example_input_array: this run only fitted the budget
+            self.report.budget = report.budget
+            rank_zero_info(f"LowMemBP: on the first training batch, {describe(call)}: {report.budget.summary()}")
         return True

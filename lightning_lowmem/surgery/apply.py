@@ -13,6 +13,7 @@ The pipeline (:func:`convert`): :func:`.plan.nominate` -> :func:`.plan.trace_nor
 :func:`.plan.make_plan` (nothing changed yet) -> apply the plan, check the outputs against the
 stock model's, measure (:mod:`.convert`); any exception in the last step rolls everything back.
 Without an example input it runs at the model's first training forward (:mod:`.deferred`).
+With a budget, the fewest blocks are then checkpointed to fit it (:mod:`.budget`).
 """
 
 from __future__ import annotations
@@ -23,10 +24,12 @@ from typing import Any
 from torch import nn
 from torch._dynamo import OptimizedModule
 
+from lightning_lowmem.memory import MIB
 from lightning_lowmem.nn import LowMemLinear
 from lightning_lowmem.nn.peft import redundant_input_casts
+from lightning_lowmem.surgery.budget import fit_budget
 from lightning_lowmem.surgery.convert import Surgery, check_same, eval_outputs, measure_saved, output_tolerance
-from lightning_lowmem.surgery.dataflow import describe
+from lightning_lowmem.surgery.dataflow import describe, tensors_in, with_batch_size
 from lightning_lowmem.surgery.deferred import CallArgs, at_first_call
 from lightning_lowmem.surgery.plan import ExampleInputError, Options, make_plan, nominate, trace_norms
 from lightning_lowmem.surgery.report import LowMemReport
@@ -45,6 +48,8 @@ def apply_lowmem(
     verify: bool = True,
     measure: bool = True,
     bits: int = 2,
+    budget_mib: float | None = None,
+    checkpoint: str | Sequence[str] | None = None,
 ) -> LowMemReport:
     """Convert ``model`` in place for low-memory backpropagation and report what changed.
 
@@ -54,7 +59,7 @@ def apply_lowmem(
             stay the same objects, so optimizers and DDP keep working; run it before FSDP wrapping.
         activation: ``"auto"`` converts every GELU / SiLU / QuickGELU / Mish module; ``False`` none.
         norm: ``"auto"`` converts each LayerNorm / RMSNorm whose output linear layers read
-            (needs ``example_input`` to trace the data flow); ``False`` none.
+            (decided by a probe forward on a real input); ``False`` none.
         include: fnmatch patterns of qualified module names to consider (default: all).
         exclude: fnmatch patterns of module names to leave alone.
         linear: ``"auto"`` lets every other ``nn.Linear`` recast its weight in backward, so no
@@ -65,34 +70,46 @@ def apply_lowmem(
             activation like any other.
         example_input: an input as Lightning's ``example_input_array`` (tensor, tuple of
             positional args, or dict of keyword args) for the probe that decides the norms, the
-            check of the outputs and the memory measurement; without it they run on the first
-            training forward's input (see below).
+            check of the outputs, the memory measurement and the budget; without it they run on
+            the first training forward's input (see below).
         verify: compare the converted model's outputs with the stock model's (rolls back and
             raises on a mismatch).
         measure: record the saved-for-backward bytes of one forward before and after.
         bits: bits per element of the activations' approximate backward: 2 (default, the
             paper's constants), or 1, 3, 4 (fitted tables; 3 is stored in 4 bits). Fewer bits
             save less memory, more bits a gradient closer to exact (benchmarks/RESULTS.md "kbit").
+        budget_mib: fit the activation memory of a training step on the example input (its batch
+            size) into this many MiB: after the conversion, the fewest repeated blocks are wrapped
+            in activation checkpointing, the largest block's recomputation in backward included
+            (:mod:`~lightning_lowmem.surgery.budget`); ``report.budget`` says which and what it
+            measured. A budget below what checkpointing every block achieves raises ValueError
+            naming that minimum.
+        checkpoint: fnmatch patterns of the modules the budget may checkpoint (default: the
+            repeated blocks, e.g. timm ``blocks.*``, Hugging Face ``layers.*``).
 
-    Without ``example_input`` (and with ``norm`` on) the conversion waits for the model's first
-    forward with gradients enabled, runs on that forward's own input (probe, convert, verify: all
-    or nothing) and lets that forward go on through the converted model; the report fills in then
-    (``report.pending`` until then). If the model cannot run that input, nothing changes and the
-    model's own error surfaces; the next training forward tries again.
+    Without ``example_input`` (and with ``norm`` on or a budget) the conversion waits for the
+    model's first forward with gradients enabled, runs on that forward's own input (probe,
+    convert, verify: all or nothing) and lets that forward go on through the converted model;
+    the report fills in then (``report.pending`` until then). If the model cannot run that
+    input, nothing changes and the model's own error surfaces; the next training forward tries
+    again.
 
     Returns:
         The :class:`LowMemReport`. Running it again on a converted model changes nothing.
     """
     if isinstance(model, OptimizedModule):  # torch.compile'd: convert the module it compiles
-        if example_input is None and norm:
+        if example_input is None:
             raise ValueError(
                 "apply_lowmem: a torch.compile'd model is converted on an example input: pass example_input, "
                 "or call apply_lowmem before torch.compile"
             )
         model = model._orig_mod
-    options = Options.parse(model, activation, norm, linear, gated, include, exclude, bits)
+    options = Options.parse(
+        model, activation=activation, norm=norm, linear=linear, gated=gated, include=include, exclude=exclude,
+        bits=bits, budget_mib=budget_mib, checkpoint=checkpoint,
+    )  # fmt: skip
     report = LowMemReport()
-    if example_input is None and options.norm:
+    if example_input is None and options.needs_input:
         report.pending = True
 
         def convert_at_first_call(call: CallArgs) -> bool:
@@ -108,24 +125,66 @@ def apply_lowmem(
     return report
 
 
+def plan(model: nn.Module, example_input: Any, budget_mib: float | None = None, **options: Any) -> LowMemReport:
+    """What :func:`apply_lowmem` would do to ``model`` on ``example_input`` (with ``budget_mib``: which
+    blocks it would checkpoint), without changing it: the surgery runs, is measured, and is undone.
+    ``options`` are those of :func:`apply_lowmem`."""
+    if example_input is None:
+        raise ValueError("plan: an example input is needed to plan on")
+    report = LowMemReport()
+    convert(report, model, Options.parse(model, budget_mib=budget_mib, **options), example_input, True, True).rollback()
+    return report
+
+
+def max_batch_size(model: nn.Module, example_input: Any, budget_mib: float, **options: Any) -> int:
+    """The largest batch whose activation memory after :func:`apply_lowmem` (without checkpointing)
+    fits ``budget_mib``, ``model`` left unchanged.
+
+    Activations grow linearly with the batch (dim 0 of every tensor of ``example_input``) and
+    autocast's weight copies do not: the estimate extrapolates one measurement on the example,
+    then measures the converted model at that size and steps down until it fits.
+    """
+    budget_bytes = round(budget_mib * MIB)
+    surgery = convert(LowMemReport(), model, Options.parse(model, **options), example_input, False, False)
+    try:
+        meter = measure_saved(model, example_input)
+        rows = _batch_size(example_input)
+        per_row = max(meter.activation_bytes / rows, 1.0)
+        size = int((budget_bytes - meter.weight_copy_bytes) // per_row)
+        while size >= 1 and measure_saved(model, with_batch_size(example_input, size)).total_bytes > budget_bytes:
+            size -= 1
+    finally:
+        surgery.rollback()
+    if size < 1:
+        raise ValueError(f"max_batch_size: not even one example fits {budget_mib:g} MiB of activations")
+    return size
+
+
+def _batch_size(example: Any) -> int:
+    sizes = {t.shape[0] for t in tensors_in(example) if t.dim() > 0}
+    if len(sizes) != 1:
+        raise ValueError(f"max_batch_size: the example's tensors disagree on their batch size (dim 0): {sizes}")
+    return sizes.pop()
+
+
 def convert(
     report: LowMemReport, model: nn.Module, options: Options, example: Any, verify: bool, measure: bool
-) -> None:
-    """The whole surgery, filling ``report``: decide (nothing changed yet), then change, check and measure,
-    undoing every change if anything raises."""
+) -> Surgery:
+    """The whole surgery, filling ``report``: decide (nothing changed yet), then change, check, measure and
+    fit the budget, undoing every change if anything raises. Returns the applied surgery."""
     found = nominate(model, options)
     flow = trace_norms(model, example, found, options)
-    plan = make_plan(model, found, flow, options)
+    decided = make_plan(model, found, flow, options)
     has_example = example is not None
-    report.entries, report.linears, report.pending = plan.entries, plan.linears, False
+    report.entries, report.linears, report.pending = decided.entries, decided.linears, False
     report.probe = describe(example) if has_example else None
     if has_example and measure:
         report.record(measure_saved(model, example), converted=False)
     reference = (flow.outputs or eval_outputs(model, example)) if has_example and verify else None
 
-    surgery = Surgery(model, plan.replacements.values())
+    surgery = Surgery(model, decided.replacements.values())
     try:
-        for old, new in plan.replacements.items():
+        for old, new in decided.replacements.items():
             surgery.replace(old, new)
         for layer in list(redundant_input_casts(model, LowMemLinear)):  # LowMemLinear casts its input itself
             surgery.set(layer, "cast_input_dtype_enabled", False)
@@ -133,6 +192,9 @@ def convert(
             check_same(reference, eval_outputs(model, example), output_tolerance(model))
         if report.saved_bytes_before is not None:
             report.record(measure_saved(model, example), converted=True)
+        if options.budget_mib is not None:
+            report.budget = fit_budget(model, example, options.budget_mib, surgery, options.checkpoint)
     except BaseException:
         surgery.rollback()
         raise
+    return surgery

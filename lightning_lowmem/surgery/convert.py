@@ -41,10 +41,21 @@ class Surgery:
         self.undo.append((obj, attr, getattr(obj, attr)))
         setattr(obj, attr, value)
 
+    def override(self, obj: object, attr: str, value: object) -> None:
+        """Shadow a class attribute (a method) on the instance; rollback deletes the shadow."""
+        self.undo.append((obj, attr, _SHADOWED))
+        setattr(obj, attr, value)
+
     def rollback(self) -> None:
         for obj, attr, value in reversed(self.undo):
-            setattr(obj, attr, value)
+            if value is _SHADOWED:
+                delattr(obj, attr)
+            else:
+                setattr(obj, attr, value)
         self.undo.clear()
+
+
+_SHADOWED = object()  # undo marker: the attribute was the class's
 
 
 def measure_saved(model: nn.Module, example: Any) -> SavedTensorMeter:

@@ -157,6 +157,20 @@ def call(model: nn.Module, example: Any) -> Any:
     return model(example)
 
 
+def with_batch_size(example: Any, size: int) -> Any:
+    """``example`` with ``size`` rows: its tensors' rows (dim 0) repeated or cut, as a bigger or smaller batch."""
+
+    def resize(value: Any) -> Any:
+        if not isinstance(value, torch.Tensor) or value.dim() == 0:
+            return value
+        rows = torch.arange(size, device=value.device) % value.shape[0]
+        return value.index_select(0, rows)  # a tensor of its own (a slice would keep a bigger storage)
+
+    if isinstance(example, CallArgs):
+        return CallArgs(tree_map(resize, example.args), tree_map(resize, example.kwargs), example.module)
+    return tree_map(resize, example)
+
+
 def describe(example: Any) -> str:
     """An example input in a line, e.g. ``model.backbone(tensor[8, 3, 32, 32], attention_mask=tensor[8, 16])``."""
 

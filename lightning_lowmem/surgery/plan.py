@@ -66,29 +66,44 @@ class Options:
     include: tuple[str, ...] = ()
     exclude: tuple[str, ...] = ()
     bits: int = 2
+    budget_mib: float | None = None
+    checkpoint: tuple[str, ...] = ()
 
     @classmethod
     def parse(
         cls,
         model: nn.Module,
-        activation: str | bool,
-        norm: str | bool,
-        linear: str | bool,
-        gated: str | bool,
-        include: str | Sequence[str] | None,
-        exclude: str | Sequence[str] | None,
-        bits: int,
+        *,
+        activation: str | bool = "auto",
+        norm: str | bool = "auto",
+        linear: str | bool = "auto",
+        gated: str | bool = "auto",
+        include: str | Sequence[str] | None = None,
+        exclude: str | Sequence[str] | None = None,
+        bits: int = 2,
+        budget_mib: float | None = None,
+        checkpoint: str | Sequence[str] | None = None,
     ) -> Options:
         """Validate every option up front: a typo fails before anything runs."""
+        if budget_mib is not None and (isinstance(budget_mib, bool) or not isinstance(budget_mib, (int, float))):
+            raise ValueError(f"apply_lowmem: budget_mib must be a number of MiB, got {budget_mib!r}")
+        if budget_mib is not None and not budget_mib > 0:
+            raise ValueError(f"apply_lowmem: budget_mib must be positive, got {budget_mib!r}")
         options = cls(
             _enabled(activation, "activation"), _enabled(norm, "norm"), _enabled(linear, "linear"),
             _enabled(gated, "gated"), _patterns(include), _patterns(exclude), check_bits("apply_lowmem", bits),
+            budget_mib, _patterns(checkpoint),
         )  # fmt: skip
         names = [name for name, _ in model.named_modules()]
-        for pattern in options.include + options.exclude:
+        for pattern in options.include + options.exclude + options.checkpoint:
             if not any(fnmatchcase(name, pattern) for name in names):
                 raise ValueError(f"apply_lowmem: pattern {pattern!r} matches no module of {type(model).__name__}")
         return options
+
+    @property
+    def needs_input(self) -> bool:
+        """Whether the surgery needs a real input: to trace the norms, or to fit a budget."""
+        return self.norm or self.budget_mib is not None
 
     def excluded(self, name: str) -> bool:
         return any(fnmatchcase(name, p) for p in self.exclude)

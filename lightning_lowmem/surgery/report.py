@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal, get_args
 
 from lightning_lowmem.memory import MIB, SavedTensorMeter
+from lightning_lowmem.surgery.budget import BudgetPlan
 
 EntryKind = Literal["activation", "gated MLP", "norm", "functional"]
 EntryStatus = Literal["converted", "already converted", "left alone"]
@@ -43,6 +44,7 @@ class LowMemReport:
     saved_by_module_after: dict[str, int] = field(default_factory=dict)
     probe: str | None = None
     pending: bool = False
+    budget: BudgetPlan | None = None
 
     def record(self, meter: SavedTensorMeter, converted: bool) -> None:
         """Keep what ``meter`` measured on the stock (``converted=False``) or the converted model."""
@@ -57,6 +59,11 @@ class LowMemReport:
     @property
     def converted(self) -> list[Entry]:
         return self._with("converted")
+
+    @property
+    def checkpointed(self) -> list[str]:
+        """The blocks wrapped in activation checkpointing to fit the budget (none without one)."""
+        return [] if self.budget is None else self.budget.checkpointed
 
     @property
     def left_alone(self) -> list[Entry]:
@@ -106,7 +113,8 @@ class LowMemReport:
                 f", autocast's weight copies: {self.weight_copy_bytes_before / MIB:.2f} MiB -> "
                 f"{self.weight_copy_bytes_after / MIB:.2f} MiB"
             )
-        return line + (f"; probed on {self.probe}" if self.probe else "")
+        line += f"; probed on {self.probe}" if self.probe else ""
+        return line + (f"\n{self.budget.summary()}" if self.budget is not None else "")
 
     def table(self) -> str:
         """A ModelSummary-like table: every candidate, its fate and the reason."""

@@ -1,0 +1,134 @@
+"""Activation-memory budgets: after the low-memory conversion, checkpoint the fewest blocks that fit it."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_lowmem import apply_lowmem, max_batch_size, plan
+from lightning_lowmem.memory import MIB, SavedTensorMeter
+from lightning_lowmem.surgery.budget import checkpointed_forward, find_blocks
+
+timm = pytest.importorskip("timm")
+transformers = pytest.importorskip("transformers")
+
+
+def vit_small() -> nn.Module:
+    torch.manual_seed(0)  # ViT-S's 12 blocks at a small image: the issue's model, quick on a CPU
+    return timm.create_model("vit_small_patch16_224", pretrained=False, num_classes=10, img_size=64)
+
+
+def images(batch: int = 4) -> torch.Tensor:
+    return torch.randn(batch, 3, 64, 64, generator=torch.Generator().manual_seed(1))
+
+
+def gradients(model: nn.Module, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    model.train().zero_grad(set_to_none=True)
+    out = model(x)
+    (out * torch.linspace(-1, 1, out.shape[-1])).square().sum().backward()
+    return {name: p.grad for name, p in model.named_parameters()}
+
+
+@pytest.fixture(scope="module")
+def need() -> int:
+    """The low-memory model's activation bytes on the example, unbudgeted."""
+    return apply_lowmem(vit_small(), example_input=images()).saved_bytes_after
+
+
+@pytest.mark.parametrize("fraction", [0.6, 0.3])
+def test_a_budget_is_met_by_checkpointing_blocks_with_the_same_gradients(need, fraction):
+    x = images()
+    unbudgeted, model = vit_small(), vit_small()
+    apply_lowmem(unbudgeted, example_input=x)
+    budget_mib = fraction * need / MIB
+    report = apply_lowmem(model, example_input=x, budget_mib=budget_mib)
+    budget = report.budget
+    assert 0 < len(report.checkpointed) < 12 if fraction == 0.6 else len(report.checkpointed) >= 1
+    assert budget.measured_bytes <= budget_mib * MIB and budget.predicted_bytes <= budget_mib * MIB
+    with SavedTensorMeter(model) as meter:  # what the wrapped model saves: what the plan measured
+        model.train()(x)
+    assert meter.total_bytes == budget.forward_bytes < need
+    own = {b.name: b.own_bytes for b in budget.blocks}
+    assert budget.recompute_bytes == max(own[name] for name in report.checkpointed)
+    assert set(report.checkpointed) <= set(find_blocks(model)) and all(
+        model.get_submodule(name).forward.func is checkpointed_forward for name in report.checkpointed
+    )
+    ours, theirs = gradients(model, x), gradients(unbudgeted, x)
+    for name, grad in theirs.items():
+        torch.testing.assert_close(ours[name], grad, rtol=1e-4, atol=1e-4 * grad.abs().max().item(), msg=name)
+    assert 0 < budget.recompute_fraction < 1 and f"{len(report.checkpointed)} of 12 blocks" in str(report)
+
+
+def test_a_budget_the_low_memory_model_meets_checkpoints_nothing(need):
+    report = apply_lowmem(vit_small(), example_input=images(), budget_mib=need / MIB)
+    assert report.checkpointed == [] and report.budget.measured_bytes == need
+
+
+def test_an_impossible_budget_names_the_smallest_achievable_and_changes_nothing(need):
+    model = vit_small()
+    structure = repr(model)
+    with pytest.raises(ValueError, match=r"checkpointing every block \(12\) still needs [\d.]+ MiB, the smallest"):
+        apply_lowmem(model, example_input=images(), budget_mib=0.05 * need / MIB)
+    assert repr(model) == structure and "forward" not in vars(model.blocks[0])
+
+
+def test_plan_predicts_without_changing_the_model(need):
+    model = vit_small()
+    structure = repr(model)
+    planned = plan(model, images(), budget_mib=0.6 * need / MIB)
+    assert repr(model) == structure and not any("forward" in vars(m) for m in model.modules())
+    applied = apply_lowmem(model, example_input=images(), budget_mib=0.6 * need / MIB)
+    assert (
+        planned.checkpointed == applied.checkpointed and planned.budget.measured_bytes == applied.budget.measured_bytes
+    )
+
+
+def test_max_batch_size_is_the_largest_batch_that_fits(need):
+    model, x = vit_small(), images(4)
+    budget_mib = 2.5 * need / MIB
+    size = max_batch_size(model, x, budget_mib)
+    assert 8 <= size < 16 and not any("forward" in vars(m) for m in model.modules())  # nothing changed
+    converted = copy.deepcopy(model)
+    apply_lowmem(converted, example_input=x)
+    for batch, fits in ((size, True), (size + 1, False)):
+        with SavedTensorMeter(converted) as meter:
+            converted.train()(images(batch))
+        assert (meter.total_bytes <= budget_mib * MIB) is fits, batch
+
+
+def test_a_budgeted_model_keeps_its_state_dict_and_pickles(need):
+    model = vit_small()
+    keys = list(model.state_dict())
+    apply_lowmem(model, example_input=images(), budget_mib=0.6 * need / MIB)
+    assert list(model.state_dict()) == keys
+    copied = pickle.loads(pickle.dumps(model))
+    copied.eval()
+    torch.testing.assert_close(copied(images()), model.eval()(images()))
+    assert copied.blocks[0].forward.args[0] is copied.blocks[0]  # the copy checkpoints its own block
+
+
+def test_hugging_face_layers_are_found_and_named_blocks_override():
+    config = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2,
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(config)
+    assert find_blocks(model) == ["model.layers.0", "model.layers.1", "model.layers.2"]
+    assert find_blocks(model, ["model.layers.[02]"]) == ["model.layers.0", "model.layers.2"]
+    tokens = torch.randint(0, 128, (2, 16))
+    need = apply_lowmem(copy.deepcopy(model), example_input=tokens).saved_bytes_after
+    # one block alone cannot lower the peak (its recomputation holds its bytes again): name two
+    report = apply_lowmem(model, example_input=tokens, budget_mib=0.9 * need / MIB, checkpoint="model.layers.[12]")
+    assert report.checkpointed == ["model.layers.1", "model.layers.2"]
+    with pytest.raises(ValueError, match="matches no module"):
+        apply_lowmem(copy.deepcopy(model), example_input=tokens, budget_mib=1.0, checkpoint="blocks.*")
+
+
+def test_bad_budgets_are_refused_before_anything_runs():
+    for bad in (0, -1.0, "1GB", True):
+        with pytest.raises(ValueError, match="budget_mib"):
+            apply_lowmem(vit_small(), example_input=images(), budget_mib=bad)
