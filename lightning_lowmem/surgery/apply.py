@@ -23,6 +23,7 @@ from torch import nn
 from torch._dynamo import OptimizedModule
 
 from lightning_lowmem.nn import LowMemLinear
+from lightning_lowmem.nn.linear import share_functional_linears
 from lightning_lowmem.nn.peft import redundant_input_casts
 from lightning_lowmem.surgery.convert import Surgery, check_same, eval_outputs, output_tolerance, saved_bytes
 from lightning_lowmem.surgery.plan import Options, make_plan, nominate, trace_norms
@@ -89,6 +90,8 @@ def apply_lowmem(
     try:
         for old, new in plan.replacements.items():
             surgery.replace(old, new)
+        for caller in plan.functional_callers:
+            surgery.keep_hooks(share_functional_linears(caller))
         for layer in list(redundant_input_casts(model, LowMemLinear)):  # LowMemLinear casts its input itself
             surgery.set(layer, "cast_input_dtype_enabled", False)
         if reference is not None:
