@@ -38,8 +38,8 @@ def shared_linear(
     compute = autocast_dtype(x.device.type) if weight.is_floating_point() else None
     if z is None and compute is None:
         return F.linear(x if x.dtype == weight.dtype else x.to(weight.dtype), weight, bias)
-    gamma, beta = (None, None) if z is None else norm.scale_and_shift()
-    return affine_linear(x, weight, bias, compute or weight.dtype, z, gamma, beta)
+    gamma, beta, offset = (None, None, 0.0) if z is None else norm.affine()
+    return affine_linear(x, weight, bias, compute or weight.dtype, z, gamma, beta, offset)
 
 
 class _NormConsumer:

@@ -82,11 +82,9 @@ class MemorySharingNorm(nn.Module):
         self.normalized_shape, self.eps, self.weight_offset = shape, eps, float(weight_offset)
         self.weight, self.bias = weight, bias
 
-    def scale_and_shift(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """``(gamma, beta)`` of the affine ``gamma * z + beta``: ``gamma = weight + weight_offset``."""
-        if self.weight_offset and self.weight is not None:
-            return self.weight + self.weight_offset, self.bias
-        return self.weight, self.bias
+    def affine(self) -> tuple[torch.Tensor | None, torch.Tensor | None, float]:
+        """``(weight, bias, weight_offset)``: the output is ``(weight + weight_offset) * z + bias``."""
+        return self.weight, self.bias, self.weight_offset
 
     @classmethod
     def from_module(cls, module: nn.Module):
@@ -100,7 +98,7 @@ class MemorySharingNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps
         z = self.op(x, self.normalized_shape, eps)
-        y = norm_affine(z, *self.scale_and_shift(), z.dtype)  # z's dtype: the compute dtype under autocast
+        y = norm_affine(z, self.weight, self.bias, z.dtype, self.weight_offset)  # z's dtype: autocast's under it
         if torch.is_grad_enabled():  # only a training forward saves anything worth sharing
             setattr(y, _TAG, (self, None if y is z else z))  # no reference cycle through y itself
         return y
