@@ -45,7 +45,7 @@ _FUNCTIONAL_ACTIVATIONS = {F.gelu: "gelu", F.silu: "silu"}
 
 # how the report words a read
 _READ_AS = {
-    "__getitem__": "a slice", "add": "an add", "__add__": "an add", "__radd__": "an add", "mul": "a product",
+    "__getitem__": "an index or slice", "add": "an add", "__add__": "an add", "__radd__": "an add", "mul": "a product",
     "__mul__": "a product", "__rmul__": "a product", "dropout": "a dropout", "view": "a reshape",
     "reshape": "a reshape", "matmul": "a matmul", "__matmul__": "a matmul", "linear": "F.linear",
 }  # fmt: skip

@@ -194,7 +194,9 @@ def _decide_consumers(
     An excluded or hooked one stays stock and reads the stock output."""
     reads = flow.reads[norm]
     called = [r.where for r in reads if r.op is None and r.where in linears]
-    functional = [r for r in reads if r.op == "linear" and linears.get(r.weight_of) == "linear"]
+    functional = [
+        r for r in reads if r.op == "linear" and linears.get(r.weight_of) == "linear" and not options.excluded(r.where)
+    ]
     linear = called + [r.weight_of for r in functional]
     keep = lambda layer: not options.excluded(layer) and is_plain(named[layer])
     flow.consumers[norm] = [c for c in dict.fromkeys(linear) if keep(c)]
@@ -270,7 +272,7 @@ def make_plan(model: nn.Module, found: Candidates, flow: dataflow.Flow, options:
             plan.linears += 1
     for where, ops in flow.functional.items():
         was = "F." + "/F.".join(sorted(ops))
-        plan.entries.append(Entry(where, "functional", was, "left alone", "functional call inside forward"))
+        plan.entries.append(Entry(where, "functional", was, "left alone", "called as a function, not a module"))
     order = {name: i for i, name in enumerate(named)}
     plan.entries.sort(key=lambda e: (order.get(e.name, len(order)), e.kind))
     return plan
