@@ -3,15 +3,14 @@
 A memory-sharing norm returns the stock output to every reader, so converting one is always
 correct; it saves memory where linear layers read that output and can save the norm's
 normalized tensor instead. The probe tags each norm output and records every read of it, in
-order (:class:`Read`): a module called on it (with module hooks), or a torch function reading it
-outside such a module (a ``TorchFunctionMode``), e.g. a residual add, a slice, or ``F.linear``
-with another module's weight (timm's BEiT attention reads its ``qkv`` weight so). Views of whole
-rows of it (``hidden[:, 0]`` for a pooler, ``hidden.view(-1, n)``) are followed: a linear layer
-reading one can share too. Which reads are
-linear layers that can share is the plan's question (:mod:`.plan`); a norm read through a LoRA
-dropout (a copy) is left alone here, with the reason. The probe runs in train mode with gradients
-and in eval mode without, so paths taken in only one mode are seen too; RNG and buffers are
-restored afterwards.
+order (:class:`Read`): a module called on it (module hooks), or a torch function reading it
+outside such a module (a ``TorchFunctionMode``): a residual add, a slice, or ``F.linear`` with
+another module's weight (timm's BEiT attention reads its ``qkv`` weight so). Views of whole rows
+of it (``hidden[:, 0]`` for a pooler, ``hidden.view(-1, n)``) are followed: a linear layer reading
+one can share too. Which reads are linear layers that share is the plan's question (:mod:`.plan`);
+a norm read through a LoRA dropout (a copy) is left alone here, with the reason. The probe runs
+in train mode with gradients and in eval mode without, so paths taken in only one mode are seen
+too; RNG and buffers are restored afterwards.
 """
 
 from __future__ import annotations
@@ -62,7 +61,7 @@ class Read:
     weight_of: str | None = None
 
     def describe(self) -> str:
-        """In the user's words: ``Conv1D transformer.h.0.attn.c_attn``, ``a slice in BertPooler bert.pooler``."""
+        """In the user's words: ``Conv1D transformer.h.0.attn.c_attn``, ``an add in Gemma2DecoderLayer model.layers.0``."""
         module = f"{self.kind} {self.where}" if self.where else self.kind
         return module if self.op is None else f"{_READ_AS.get(self.op, self.op)} in {module}"
 
