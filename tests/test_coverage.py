@@ -339,3 +339,26 @@ def test_views_of_whole_rows_only():
     report = apply_lowmem(model, example_input=x)
     assert report.status("norm") == "left alone" and "a reshape" in report.entries[0].detail
     assert isinstance(model.norm, nn.LayerNorm) and not isinstance(model.norm, MemorySharingNorm)
+
+
+def test_a_norm_output_changed_in_place_is_not_shared():
+    """After ``y.mul_(2)`` the output is no longer ``gamma * z + beta``: its reader saves its own input, and the
+    weight gradient stays the stock one."""
+
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm, self.fc = nn.LayerNorm(16), nn.Linear(16, 16)
+            nn.init.normal_(self.norm.weight)
+
+        def forward(self, x):
+            return self.fc(self.norm(x).mul_(2))
+
+    stock, x = Scaled(), torch.randn(2, 3, 16)
+    model = copy.deepcopy(stock)
+    assert apply_lowmem(model, example_input=x).status("norm") == "converted"
+    assert model.fc.norm is model.norm  # a consumer by the probe, but its input has changed
+    model(x).square().sum().backward()
+    stock(x).square().sum().backward()
+    for ours, theirs in zip(model.parameters(), stock.parameters()):
+        torch.testing.assert_close(ours.grad, theirs.grad)

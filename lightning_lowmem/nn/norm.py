@@ -25,7 +25,7 @@ from torch import nn
 from lightning_lowmem.ops.affine import norm_affine
 from lightning_lowmem.ops.norm import ms_layer_norm, ms_rms_norm
 
-_TAG = "_lowmem_shared_from"  # tensor attribute: (norm module, z) on a norm's output
+_TAG = "_lowmem_shared_from"  # tensor attribute: (norm module, z, version) on a norm's output
 
 
 def whole_rows(view: torch.Tensor, base: torch.Tensor, row_shape: Sequence[int]) -> bool:
@@ -45,10 +45,10 @@ def whole_rows(view: torch.Tensor, base: torch.Tensor, row_shape: Sequence[int])
 
 def shared_from(x: torch.Tensor, norm: MemorySharingNorm) -> torch.Tensor | None:
     """The ``z`` that ``norm`` saved, laid out as ``x``, when ``x`` is that norm's own output or a view of whole
-    rows of it (else ``None``)."""
+    rows of it, unchanged since (else ``None``: changed in place, it is no longer ``gamma * z + beta``)."""
     base = x if hasattr(x, _TAG) else x._base
     tag = getattr(base, _TAG, None)
-    if tag is None or tag[0] is not norm:
+    if tag is None or tag[0] is not norm or tag[2] != base._version:
         return None
     z = base if tag[1] is None else tag[1]
     if x is base:
@@ -100,7 +100,7 @@ class MemorySharingNorm(nn.Module):
         z = self.op(x, self.normalized_shape, eps)
         y = norm_affine(z, self.weight, self.bias, z.dtype, self.weight_offset)  # z's dtype: autocast's under it
         if torch.is_grad_enabled():  # only a training forward saves anything worth sharing
-            setattr(y, _TAG, (self, None if y is z else z))  # no reference cycle through y itself
+            setattr(y, _TAG, (self, None if y is z else z, y._version))  # no reference cycle through y itself
         return y
 
     def extra_repr(self) -> str:
