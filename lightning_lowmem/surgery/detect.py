@@ -262,7 +262,10 @@ def norm_spec(module: nn.Module) -> NormSpec:
         with torch.no_grad():
             y = functional_call(module, trial, (x,))
     except Exception as err:  # noqa: BLE001 - any failure means: not a norm over the trailing dims
-        raise NotConvertible(f"probe call failed ({type(err).__name__})") from None
+        raise NotConvertible(
+            f"fails on rows of its normalized shape ({type(err).__name__}): not a norm over the last dimensions "
+            "(channels-first?)"
+        ) from None
     if not isinstance(y, torch.Tensor) or y.shape != x.shape:
         raise NotConvertible("its output is not shaped like its input")
     gamma, beta = trial.get("weight"), trial.get("bias")
