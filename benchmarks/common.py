@@ -53,15 +53,13 @@ def markdown_table(header: list[str], rows: list[list[object]]) -> str:
     return "\n".join(lines)
 
 
-def write_section(key: str, body: str, command: str) -> None:
-    """Replace (or append) the section ``key`` of RESULTS.md, stamped with machine and command."""
+def write_section(key: str, body: str, command: str, path: Path = RESULTS) -> None:
+    """Replace (or append) the section ``key`` of ``path`` (RESULTS.md), stamped with machine and command."""
     stamped = (
         f"<!-- {key}:begin -->\n{body.strip()}\n\n"
         f"Machine: {machine()}. Date: {time.strftime('%Y-%m-%d')}. Command: `{command}`\n<!-- {key}:end -->"
     )
-    text = (
-        RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n\nWritten by the scripts in `benchmarks/`.\n"
-    )
+    text = path.read_text() if path.exists() else "# Benchmark results\n\nWritten by the scripts in `benchmarks/`.\n"
     pattern = re.compile(rf"<!-- {re.escape(key)}:begin -->.*?<!-- {re.escape(key)}:end -->", re.DOTALL)
     text = pattern.sub(lambda _: stamped, text) if pattern.search(text) else text.rstrip() + "\n\n" + stamped + "\n"
-    RESULTS.write_text(text)
+    path.write_text(text)

@@ -6,13 +6,18 @@ with LoRA on every linear layer. Memory is the bytes one forward saves for backw
 SavedTensorMeter (parameters excluded); time is a whole training step (forward, backward,
 AdamW step), interleaved with the stock model in the same process.
 
-    python benchmarks/surgery.py [--quick]
+``--zoo`` instead converts the tiny model of every family in ``benchmarks/zoo.py`` and writes what it
+converted, what it left alone and why, and the memory saved (fp32) into the README's table
+"Which models convert what".
+
+    python benchmarks/surgery.py [--quick | --zoo]
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -23,9 +28,14 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import interleaved_median, markdown_table, write_section
+from benchmarks.zoo import FAMILIES, Family
 from lightning_lowmem import kernels
 from lightning_lowmem.memory import MIB, SavedTensorMeter
-from lightning_lowmem.surgery import apply_lowmem
+from lightning_lowmem.nn import LowMemLinear, LowMemTransposedLinear
+from lightning_lowmem.nn.linear import shares_functional_linears
+from lightning_lowmem.surgery import LowMemReport, apply_lowmem
+
+README = Path(__file__).resolve().parents[1] / "README.md"
 
 VIT_LORA = {"LoRA on qkv only": ["qkv"], "LoRA on qkv, proj, fc1, fc2": ["qkv", "proj", "fc1", "fc2"]}
 LLAMA_LORA = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -106,11 +116,82 @@ def cases(image: torch.Tensor, tokens: torch.Tensor):
         yield "Llama (4 layers, d=256), seq 256", "LoRA on all linears", autocast, llama, tokens
 
 
+def _count(report: LowMemReport, kind: str) -> str:
+    converted = sum(e.kind == kind for e in report.converted)
+    alone = sum(e.kind == kind and e.status == "left alone" for e in report.entries)
+    return f"{converted}" + (f" of {converted + alone}" if alone else "")
+
+
+def _consumers(stock: nn.Module, model: nn.Module) -> str:
+    """The kinds of layer that share a norm's tensor: the stock class of each consumer, and F.linear callers."""
+    kinds = set()
+    for name, module in model.named_modules():
+        if isinstance(module, (LowMemLinear, LowMemTransposedLinear)) and module.norm is not None:
+            kinds.add(type(stock.get_submodule(name)).__name__)
+        if shares_functional_linears(module):
+            kinds.add(f"F.linear in {type(module).__name__}")
+    return ", ".join(sorted(kinds))
+
+
+def _left_alone(report: LowMemReport) -> str:
+    """Each reason once, with the modules it holds for (layer numbers as N, module paths in it dropped)."""
+    names: dict[str, set[str]] = {}
+    for entry in report.left_alone:
+        reason = re.sub(r"((?:in|by) [A-Z]\w*) [\w.]+\)", r"\1)", entry.detail)  # "... in Gemma2DecoderLayer)"
+        name = re.sub(r"\.\d+\.", ".N.", entry.name)
+        label = f"`{name}` {entry.was}" if entry.kind == "functional" else f"`{name}`"
+        names.setdefault(reason, set()).add(label)
+    return "; ".join(f"{', '.join(sorted(n))}: {why}" for why, n in names.items()) or "-"
+
+
+def zoo_row(family: Family) -> list[str]:
+    torch.manual_seed(0)
+    stock = family.build().eval()
+    model = copy.deepcopy(stock)
+    report = apply_lowmem(model, example_input=family.example())
+    before, after = report.saved_bytes_before / 1024, report.saved_bytes_after / 1024
+    return [
+        f"`{family.name}`",
+        _count(report, "activation"),
+        _count(report, "norm"),
+        _consumers(stock, model) or "-",
+        _count(report, "gated MLP"),
+        f"{before:.0f} -> {after:.0f} (-{100 * report.reduction:.0f}%)",
+        _left_alone(report),
+    ]
+
+
+def zoo() -> None:
+    header = [
+        "family", "activations", "norms", "norms shared with", "gated MLPs", "saved KiB (fp32)", "left alone (why)"
+    ]  # fmt: skip
+    rows = []
+    for family in FAMILIES.values():
+        rows.append(zoo_row(family))
+        print(rows[-1], flush=True)
+    body = (
+        "### Which models convert what\n\n"
+        "`apply_lowmem` on the tiny random-init model of each family in `benchmarks/zoo.py` (hidden size 64, "
+        "two layers, or one encoder and one decoder layer; batch 2, 16 tokens or a 32x32 image; fp32, dropout "
+        '0): the modules it converted ("4 of 5": one was left alone, the last column says why), the kinds of '
+        "layer that share each norm's saved tensor, and the bytes one training forward saves for backward, "
+        "stock -> converted (at full size the proportions shift with sequence length, vocabulary and width). "
+        "Every row keeps the stock outputs and hidden states, the stock gradients (norms and fused MLPs are "
+        "exact), and strict checkpoints both ways, as `tests/test_coverage.py` checks.\n\n"
+        + markdown_table(header, rows)
+    )
+    write_section("zoo", body, "python benchmarks/surgery.py --zoo", README)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="fewer timing repeats")
     parser.add_argument("--time-rows", type=int, default=None, help="time only the first N rows (slow CPUs)")
+    parser.add_argument("--zoo", action="store_true", help="the README table of every family in benchmarks/zoo.py")
     args = parser.parse_args()
+    if args.zoo:
+        zoo()
+        return
     repeats = 3 if args.quick else 7
     header = ["model (batch 4)", "setting", "precision", "stock MiB", "lowmem MiB", "reduction", "step time ratio"]
     rows = []

@@ -97,7 +97,7 @@ def test_lora_on_a_bf16_base_works_as_stock_and_shares_the_norm_output(adapters_
     model = copy.deepcopy(stock)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         report = apply_lowmem(model, example_input=x)
-    assert sum(e.kind == "norm" for e in report.converted) == 4
+    assert sum(e.kind == "norm" for e in report.converted) == 5  # two per layer and the final one
     q_proj = model.base_model.model.model.layers[0].self_attn.q_proj
     assert isinstance(q_proj.lora_A.default, LowMemLinear) and q_proj.lora_A.default.norm is not None
     ours, our_grads, our_bytes = step(model, x, autocast)
@@ -143,7 +143,7 @@ def test_lora_trains_under_lightnings_true_half_precision(tmp_path, precision):
     ours = losses_of_a_run(tmp_path, precision, [callback])
     torch.manual_seed(0)
     theirs = losses_of_a_run(tmp_path, precision, [])
-    assert sum(e.kind == "norm" for e in callback.report.converted) == 4
+    assert sum(e.kind == "norm" for e in callback.report.converted) == 5
     torch.testing.assert_close(torch.tensor(ours), torch.tensor(theirs), rtol=2e-2, atol=1e-4)
 
 
@@ -184,7 +184,7 @@ def test_any_failure_after_the_first_change_restores_every_module(monkeypatch, f
     elif failing == "verify":  # the converted model's outputs (the stock ones come from the probe)
         monkeypatch.setattr(apply_module, "eval_outputs", fail_on_call(apply_module.eval_outputs, 1))
     else:  # the measurement after conversion
-        monkeypatch.setattr(apply_module, "saved_bytes", fail_on_call(apply_module.saved_bytes, 2))
+        monkeypatch.setattr(apply_module, "measure_saved", fail_on_call(apply_module.measure_saved, 2))
     with pytest.raises(RuntimeError, match="injected failure"):
         apply_lowmem(model, example_input=torch.randn(2, 4, 32), verify=verify)
     assert modules_of(model) == before

@@ -126,5 +126,50 @@ class TimmGluMlp(GatedMLPBase):
         return self.drop2(self.fc2(self.norm(self.drop1(h))))
 
     def consumer(self) -> nn.Module | None:
-        passes_through = isinstance(self.drop1, nn.Identity) or getattr(self.drop1, "p", None) == 0
-        return self.fc2 if passes_through and isinstance(self.norm, nn.Identity) else None
+        return self.fc2 if _passes_through(self.drop1) and isinstance(self.norm, nn.Identity) else None
+
+
+def _passes_through(dropout: nn.Module) -> bool:
+    """Whether ``dropout`` hands on its very input (identity, or p = 0)."""
+    return isinstance(dropout, nn.Identity) or getattr(dropout, "p", None) == 0
+
+
+class PackedGatedMLP(GatedMLPBase):
+    """``down_proj(act(gate) * up)`` with ``gate, up = gate_up_proj(x).chunk(2, dim=-1)``: the Phi-3 / GLM MLP,
+    same child names."""
+
+    def __init__(self, stock: nn.Module, activation: str, mode: str = "auto") -> None:
+        super().__init__(activation, mode)
+        self.gate_up_proj, self.down_proj = stock.gate_up_proj, stock.down_proj
+
+    def gate_and_up(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return gate, up
+
+    def output(self, h: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(h)
+
+    def consumer(self) -> nn.Module:
+        return self.down_proj
+
+
+class T5GatedMLP(GatedMLPBase):
+    """``wo(dropout(act(wi_0(x)) * wi_1(x)))``: T5 v1.1 / Flan-T5 / mT5's ``T5DenseGatedActDense``, same child
+    names, with its cast of the product to ``wo``'s dtype (T5 keeps ``wo`` in fp32 in half-precision models)."""
+
+    def __init__(self, stock: nn.Module, activation: str, mode: str = "auto") -> None:
+        super().__init__(activation, mode)
+        self.wi_0, self.wi_1, self.wo, self.dropout = stock.wi_0, stock.wi_1, stock.wo, stock.dropout
+
+    def gate_and_up(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.wi_0(x), self.wi_1(x)
+
+    def output(self, h: torch.Tensor) -> torch.Tensor:
+        h = self.dropout(h)
+        weight = self.wo.weight
+        if isinstance(weight, torch.Tensor) and h.dtype != weight.dtype and weight.dtype != torch.int8:
+            h = h.to(weight.dtype)
+        return self.wo(h)
+
+    def consumer(self) -> nn.Module | None:
+        return self.wo if _passes_through(self.dropout) else None

@@ -6,7 +6,8 @@ which saves nothing new) tagged with ``z``. Every reader of ``y`` sees the stock
 adds, returned hidden states, hooks, anything. A :class:`~lightning_lowmem.nn.LowMemLinear` built
 with ``norm=`` this module recognises the tag and saves ``z`` in place of ``y``: the norm and all its
 consumer linears keep one tensor. ``weight`` / ``bias`` keep their stock names, so checkpoints load
-into the stock model and back. Model surgery builds exactly these modules.
+into the stock model and back; ``weight_offset`` covers norms that scale by ``weight + offset`` (Gemma's
+RMSNorm: ``1 + weight``). Model surgery builds exactly these modules.
 
 Under autocast the output comes in the autocast dtype (as :class:`~lightning_lowmem.LowMemPrecision`
 makes every norm's output), so stock linears reading it share one copy too; where a post-norm
@@ -15,6 +16,7 @@ model adds it to the residual stream, that stream continues in the compute dtype
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 import torch
@@ -23,15 +25,41 @@ from torch import nn
 from lightning_lowmem.ops.affine import norm_affine
 from lightning_lowmem.ops.norm import ms_layer_norm, ms_rms_norm
 
-_TAG = "_lowmem_shared_from"  # tensor attribute: (norm module, z) on a norm's output
+_TAG = "_lowmem_shared_from"  # tensor attribute: (norm module, z, version) on a norm's output
 
 
-def shared_from(x: torch.Tensor, norm: nn.Module) -> torch.Tensor | None:
-    """The ``z`` that ``norm`` saved, when ``x`` is that norm's own output tensor (else ``None``)."""
-    tag = getattr(x, _TAG, None)
+def whole_rows(view: torch.Tensor, base: torch.Tensor, row_shape: Sequence[int]) -> bool:
+    """Whether ``view``, a view of the contiguous ``base``, holds whole rows of it (its trailing ``row_shape``) laid
+    out as in ``base`` (``hidden[:, 0]``, ``hidden.view(-1, n)``): an affine over rows acts on it as on ``base``."""
+    k, n = len(row_shape), math.prod(row_shape)
+    rows = [(size, stride) for size, stride in zip(view.shape[:-k], view.stride()[:-k]) if size != 1]
+    return (
+        base.is_contiguous()
+        and view.dim() >= k
+        and tuple(view.shape[-k:]) == tuple(row_shape)
+        and view.stride()[-k:] == base.stride()[-k:]
+        and (view.storage_offset() - base.storage_offset()) % n == 0
+        and all(stride % n == 0 for _, stride in rows)
+    )
+
+
+def shared_from(x: torch.Tensor, norm: MemorySharingNorm) -> torch.Tensor | None:
+    """The ``z`` that ``norm`` saved, laid out as ``x``, when ``x`` is that norm's own output or a view of whole
+    rows of it, unchanged since (else ``None``: changed in place, it is no longer ``gamma * z + beta``; the
+    surgery's probe leaves such a norm alone, this check catches paths the probe did not see, in eager mode:
+    under torch.compile a tensor's version is not traceable)."""
+    base = x if hasattr(x, _TAG) else x._base
+    tag = getattr(base, _TAG, None)
     if tag is None or tag[0] is not norm:
         return None
-    return x if tag[1] is None else tag[1]
+    if not torch.compiler.is_compiling() and tag[2] != base._version:
+        return None
+    z = base if tag[1] is None else tag[1]
+    if x is base:
+        return z
+    if z.shape != base.shape or z.stride() != base.stride() or not whole_rows(x, base, norm.normalized_shape):
+        return None
+    return z.as_strided(x.size(), x.stride(), z.storage_offset() + x.storage_offset() - base.storage_offset())
 
 
 def is_norm_output(x: torch.Tensor) -> bool:
@@ -51,11 +79,16 @@ class MemorySharingNorm(nn.Module):
         eps: float | None,
         weight: nn.Parameter | None = None,
         bias: nn.Parameter | None = None,
+        weight_offset: float = 0.0,
     ) -> None:
         super().__init__()
         shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
-        self.normalized_shape, self.eps = shape, eps
+        self.normalized_shape, self.eps, self.weight_offset = shape, eps, float(weight_offset)
         self.weight, self.bias = weight, bias
+
+    def affine(self) -> tuple[torch.Tensor | None, torch.Tensor | None, float]:
+        """``(weight, bias, weight_offset)``: the output is ``(weight + weight_offset) * z + bias``."""
+        return self.weight, self.bias, self.weight_offset
 
     @classmethod
     def from_module(cls, module: nn.Module):
@@ -69,13 +102,14 @@ class MemorySharingNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps
         z = self.op(x, self.normalized_shape, eps)
-        y = norm_affine(z, self.weight, self.bias, z.dtype)  # z's dtype: the compute dtype under autocast
+        y = norm_affine(z, self.weight, self.bias, z.dtype, self.weight_offset)  # z's dtype: autocast's under it
         if torch.is_grad_enabled():  # only a training forward saves anything worth sharing
-            setattr(y, _TAG, (self, None if y is z else z))  # no reference cycle through y itself
+            setattr(y, _TAG, (self, None if y is z else z, y._version))  # no reference cycle through y itself
         return y
 
     def extra_repr(self) -> str:
-        return f"{self.normalized_shape}, eps={self.eps}, saves=normalized output+rstd"
+        offset = f", weight_offset={self.weight_offset}" if self.weight_offset else ""
+        return f"{self.normalized_shape}, eps={self.eps}{offset}, saves=normalized output+rstd"
 
 
 class MSLayerNorm(MemorySharingNorm):
@@ -90,8 +124,9 @@ class MSLayerNorm(MemorySharingNorm):
         eps: float = 1e-5,
         weight: nn.Parameter | None = None,
         bias: nn.Parameter | None = None,
+        weight_offset: float = 0.0,
     ) -> None:
-        super().__init__(normalized_shape, eps, weight, bias)
+        super().__init__(normalized_shape, eps, weight, bias, weight_offset)
 
 
 class MSRMSNorm(MemorySharingNorm):
@@ -104,6 +139,10 @@ class MSRMSNorm(MemorySharingNorm):
     op = staticmethod(ms_rms_norm)
 
     def __init__(
-        self, normalized_shape: int | Sequence[int], eps: float | None = 1e-6, weight: nn.Parameter | None = None
+        self,
+        normalized_shape: int | Sequence[int],
+        eps: float | None = 1e-6,
+        weight: nn.Parameter | None = None,
+        weight_offset: float = 0.0,
     ) -> None:
-        super().__init__(normalized_shape, eps, weight, None)
+        super().__init__(normalized_shape, eps, weight, None, weight_offset)

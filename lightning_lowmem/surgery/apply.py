@@ -26,6 +26,7 @@ from torch._dynamo import OptimizedModule
 
 from lightning_lowmem.memory import MIB
 from lightning_lowmem.nn import LowMemLinear
+from lightning_lowmem.nn.linear import share_functional_linears
 from lightning_lowmem.nn.peft import redundant_input_casts
 from lightning_lowmem.surgery.budget import fit_budget
 from lightning_lowmem.surgery.convert import Surgery, check_same, eval_outputs, measure_saved, output_tolerance
@@ -186,6 +187,8 @@ def convert(
     try:
         for old, new in decided.replacements.items():
             surgery.replace(old, new)
+        for caller in decided.functional_callers:
+            surgery.keep_hooks(share_functional_linears(caller))
         for layer in list(redundant_input_casts(model, LowMemLinear)):  # LowMemLinear casts its input itself
             surgery.set(layer, "cast_input_dtype_enabled", False)
         if reference is not None:

@@ -12,13 +12,14 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from lightning_lowmem.memory import SavedTensorMeter
 from lightning_lowmem.surgery import dataflow
 
 
 class Surgery:
-    """Replacements and attribute changes done so far, undone in reverse by :meth:`rollback`."""
+    """Replacements, attribute changes and hooks done so far, undone in reverse by :meth:`rollback`."""
 
     def __init__(self, model: nn.Module, new_modules: Iterable[nn.Module] = ()) -> None:
         self.holders: dict[int, list[tuple[nn.Module, str]]] = {}  # id(child) -> every (parent, attribute)
@@ -32,6 +33,7 @@ class Surgery:
                     if child is not None:
                         self.holders.setdefault(id(child), []).append((parent, attr))
         self.undo: list[tuple[object, str, object]] = []
+        self.hooks: list[RemovableHandle] = []
 
     def replace(self, old: nn.Module, new: nn.Module) -> None:
         for parent, attr in self.holders.get(id(old), ()):
@@ -46,7 +48,13 @@ class Surgery:
         self.undo.append((obj, attr, _SHADOWED))
         setattr(obj, attr, value)
 
+    def keep_hooks(self, handles: Iterable[RemovableHandle]) -> None:
+        self.hooks.extend(handles)
+
     def rollback(self) -> None:
+        for handle in self.hooks:
+            handle.remove()
+        self.hooks.clear()
         for obj, attr, value in reversed(self.undo):
             if value is _SHADOWED:
                 delattr(obj, attr)

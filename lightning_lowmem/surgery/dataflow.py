@@ -1,14 +1,16 @@
-"""Which linear layers read each norm's output? A probe forward on a real input answers it.
+"""Which layers read each norm's output? A probe forward on a real input answers it.
 
 A memory-sharing norm returns the stock output to every reader, so converting one is always
 correct; it saves memory where linear layers read that output and can save the norm's
-normalized tensor instead. The probe tags each norm output and watches every torch function
-call (a ``TorchFunctionMode``): a consumer is an exact ``nn.Linear`` module calling ``F.linear``
-on that very tensor (a peft LoRA layer reads it through its ``base_layer`` and ``lora_A``, both
-``nn.Linear``). Other readers (a residual add, a returned hidden state, a hook) are fine; a
-norm with no consumer, or whose consumers read it through a LoRA dropout (a copy), is left
-alone with the reason. The probe runs in train mode with gradients and in eval mode without,
-so paths taken in only one mode are seen too; RNG and buffers are restored afterwards.
+normalized tensor instead. The probe tags each norm output and records every read of it, in
+order (:class:`Read`): a module called on it (module hooks), or a torch function reading it
+outside such a module (a ``TorchFunctionMode``): a residual add, a slice, or ``F.linear`` with
+another module's weight (timm's BEiT attention reads its ``qkv`` weight so). Views of whole rows
+of it (``hidden[:, 0]`` for a pooler, ``hidden.view(-1, n)``) are followed: a linear layer reading
+one can share too. Which reads are linear layers that share is the plan's question (:mod:`.plan`);
+a norm read through a LoRA dropout (a copy) is left alone here, with the reason. The probe runs
+in train mode with gradients and in eval mode without, so paths taken in only one mode are seen
+too; RNG and buffers are restored afterwards.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from lightning_lowmem.nn.linear import linear_arguments
+from lightning_lowmem.nn.norm import whole_rows
 from lightning_lowmem.nn.peft import is_lora_layer, lora_dropouts
 from lightning_lowmem.surgery.deferred import CallArgs
 
@@ -40,21 +44,53 @@ _CASTS = {"to", "type_as"}
 _FUNCTIONAL_ACTIVATIONS = {F.gelu: "gelu", F.silu: "silu"}
 
 
+# how the report words a read
+_READ_AS = {
+    "__getitem__": "an index or slice", "add": "an add", "__add__": "an add", "__radd__": "an add", "mul": "a product",
+    "__mul__": "a product", "__rmul__": "a product", "dropout": "a dropout", "view": "a reshape",
+    "reshape": "a reshape", "matmul": "a matmul", "__matmul__": "a matmul", "linear": "F.linear",
+    "mul_": "an in-place product", "__imul__": "an in-place product", "add_": "an in-place add",
+    "__iadd__": "an in-place add",
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Read:
+    """One read of a norm's output: the module ``where`` called on it (``op`` is ``None``), or torch
+    function ``op`` in ``where``; ``weight_of`` names the module whose weight ``F.linear`` used."""
+
+    where: str
+    kind: str  # the class of the module ``where``
+    op: str | None = None
+    weight_of: str | None = None
+
+    def describe(self) -> str:
+        """In the user's words: ``Conv1D transformer.h.0.attn.c_attn``, ``an add in Gemma2DecoderLayer model.layers.0``."""
+        module = f"{self.kind} {self.where}" if self.where else self.kind
+        return module if self.op is None else f"{_READ_AS.get(self.op, self.op)} in {module}"
+
+
 @dataclass
 class Flow:
-    """What the probe found: each norm's consumer linears, or the reason it is left alone.
+    """What the probe found: each norm's reads in order, or the reason it is left alone.
 
     ``functional`` maps module names to GELU/SiLU functions called directly in their forward
     (not swappable); ``outputs`` are the model's eval-mode outputs, a reference for checks.
     """
 
-    consumers: dict[str, set[str]] = field(default_factory=lambda: defaultdict(set))
+    reads: dict[str, list[Read]] = field(default_factory=lambda: defaultdict(list))
+    consumers: dict[str, list[str]] = field(default_factory=dict)  # decided by the plan from the reads
+    functional_callers: dict[str, list[str]] = field(default_factory=dict)  # norm -> modules calling F.linear on it
     blocked: dict[str, str] = field(default_factory=dict)
     functional: dict[str, set[str]] = field(default_factory=lambda: defaultdict(set))
     outputs: list[torch.Tensor] = field(default_factory=list)
 
     def block(self, norm: str, reason: str) -> None:
         self.blocked.setdefault(norm, reason)
+
+    def read(self, norm: str, read: Read) -> None:
+        if read not in self.reads[norm]:
+            self.reads[norm].append(read)
 
 
 def _op_name(func: Any) -> str:
@@ -78,25 +114,43 @@ def tensors_in(obj: Any) -> list[torch.Tensor]:
 class _Probe(TorchFunctionMode):
     def __init__(
         self, flow: Flow, names: dict[nn.Module, str], stack: list[nn.Module], activations: set[nn.Module],
-        dropouts: set[nn.Module],
+        dropouts: set[nn.Module], row_shapes: dict[str, tuple[int, ...]],
     ) -> None:  # fmt: skip
         super().__init__()
         self.flow, self.names, self.stack, self.activations, self.dropouts = flow, names, stack, activations, dropouts
-        self.tagged: dict[int, tuple[torch.Tensor, str]] = {}
-        self.first_reader: dict[str, str] = {}  # norm -> its first reader that is no consumer
+        self.row_shapes = row_shapes
+        self.tagged: dict[int, tuple[torch.Tensor, str, torch.Tensor]] = {}  # id -> (tensor, norm, norm's output)
+        self.called_on: dict[int, set[nn.Module]] = defaultdict(set)  # id(tagged tensor) -> modules called on it
+        self.owner = {id(p): self.names[m] for m in names for p in m.parameters(recurse=False)}
+
+    def tag(self, output: torch.Tensor, norm: str) -> None:
+        self.tagged[id(output)] = (output, norm, output)
 
     def source(self, t: Any) -> str | None:
         entry = self.tagged.get(id(t)) if isinstance(t, torch.Tensor) else None
         return entry[1] if entry is not None and entry[0] is t else None
 
+    def follow_views(self, t: torch.Tensor, out: Any) -> None:
+        """Tag the views of whole rows of ``t``'s norm output among ``out``: a linear layer reading one shares too."""
+        _, norm, root = self.tagged[id(t)]
+        for view in tree_flatten(out)[0]:
+            if isinstance(view, torch.Tensor) and view._base is root and whole_rows(view, root, self.row_shapes[norm]):
+                self.tagged[id(view)] = (view, norm, root)
+
+    def module_called(self, module: nn.Module, args: tuple) -> None:
+        norm = self.source(args[0]) if args else None
+        if norm is not None:
+            self.called_on[id(args[0])].add(module)
+            self.flow.read(norm, Read(self.names[module], type(module).__name__))
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         here = self.stack[-1] if self.stack else None
-        where = self.names.get(here) or "<root>"
+        where = self.names.get(here, "")
         name = _op_name(func)
         if func in _FUNCTIONAL_ACTIVATIONS and here not in self.activations:
-            self.flow.functional[where].add(name)
+            self.flow.functional[where or "<root>"].add(name)
         for t in tree_flatten((args, kwargs))[0]:
             norm = self.source(t)
             if norm is None or name in _METADATA or (name in _PASS_THROUGH and out is t):
@@ -104,16 +158,20 @@ class _Probe(TorchFunctionMode):
             if name in _CASTS and is_lora_layer(here) and isinstance(out, torch.Tensor):
                 # peft's cast of its input to the adapter dtype: the surgery switches it off (the converted
                 # lora_A casts, saving the norm's tensor), so what the adapters read is the norm's output
-                self.tagged[id(out)] = (out, norm)
+                self.tagged[id(out)] = (out, norm, self.tagged[id(t)][2])
                 continue
-            if func is F.linear and args and args[0] is t and type(here) is nn.Linear and args[1] is here.weight:
-                self.flow.consumers[norm].add(where)
-            elif here in self.dropouts:
-                self.flow.block(
-                    norm, f"its linear reader in {where.rpartition('.lora_dropout')[0]} reads a LoRA dropout copy"
-                )
-            else:
-                self.first_reader.setdefault(norm, f"{name} in {where}")
+            self.follow_views(t, out)
+            x, weight, _ = linear_arguments(args, kwargs) if func is F.linear else (None, None, None)
+            weight_of = self.owner.get(id(weight)) if x is t and isinstance(weight, nn.Parameter) else None
+            kind = type(here).__name__ if here is not None else "model"
+            if here in self.dropouts:
+                layer = where.rpartition(".lora_dropout")[0]
+                self.flow.block(norm, f"its linear reader in {layer} reads a LoRA dropout copy")
+            elif weight_of not in (None, where) or here not in self.called_on[id(t)]:
+                # reads inside a module called on it are that module's, but for F.linear with another's weight
+                self.flow.read(norm, Read(where, kind, name, weight_of))
+            if out is t and name.endswith("_"):  # changed in place: no longer gamma * z + beta for later readers
+                del self.tagged[id(t)]
         return out
 
 
@@ -191,16 +249,21 @@ def describe(example: Any) -> str:
     return f"{module}({', '.join(parts)})"
 
 
-def trace(model: nn.Module, example: Any, norms: dict[str, nn.Module], activations: set[nn.Module]) -> Flow:
-    """Probe ``model`` on ``example`` (train and eval mode) and decide every norm in ``norms``."""
+def trace(
+    model: nn.Module, example: Any, norms: dict[str, tuple[nn.Module, tuple[int, ...]]], activations: set[nn.Module]
+) -> Flow:
+    """Probe ``model`` on ``example`` (train and eval mode) and record the reads of every norm in ``norms``
+    (name -> module and normalized shape)."""
     flow = Flow()
     names = {module: name for name, module in model.named_modules()}
-    by_module = {module: name for name, module in norms.items()}
+    by_module = {module: name for name, (module, _) in norms.items()}
     called: set[str] = set()
     stack: list[nn.Module] = []
-    probe = _Probe(flow, names, stack, activations, set(lora_dropouts(model)))
+    row_shapes = {name: shape for name, (_, shape) in norms.items()}
+    probe = _Probe(flow, names, stack, activations, set(lora_dropouts(model)), row_shapes)
 
     def pre(module, args):
+        probe.module_called(module, args)
         stack.append(module)
 
     def post(module, args, output):
@@ -212,7 +275,7 @@ def trace(model: nn.Module, example: Any, norms: dict[str, nn.Module], activatio
         if not isinstance(output, torch.Tensor):
             flow.block(norm, "output is not a single tensor")
         else:
-            probe.tagged[id(output)] = (output, norm)
+            probe.tag(output, norm)
 
     handles = []
     for module in names:
@@ -225,6 +288,7 @@ def trace(model: nn.Module, example: Any, norms: dict[str, nn.Module], activatio
             flow.outputs = [t.detach().float() for t in tensors_in(outputs)]
             del outputs
             probe.tagged.clear()
+            probe.called_on.clear()
     finally:
         for handle in handles:
             handle.remove()
@@ -232,7 +296,4 @@ def trace(model: nn.Module, example: Any, norms: dict[str, nn.Module], activatio
     for norm in norms:
         if norm not in called:
             flow.block(norm, "not called in the probe forward")
-        elif not flow.consumers.get(norm):
-            first = probe.first_reader.get(norm)
-            flow.block(norm, "no linear layer reads its output" + (f" (first read by {first})" if first else ""))
     return flow

@@ -1,24 +1,28 @@
 """Recognise activations, gated MLPs and LayerNorm / RMSNorm layers across torch, timm and HF.
 
 Class names only nominate candidates; each candidate is then *verified* by running it on a
-test input and comparing with the reference function (for norms with randomised affine
-parameters), so a look-alike that computes something else (a sigmoid GLU, Gemma's
-``1 + weight`` RMSNorm, a channels-first LayerNorm2d) is rejected with a reason instead of
-being converted. Activations are checked against every entry of the activation registry.
+test input and comparing with the reference function (for norms and linear layers with
+randomised parameters), so a look-alike that computes something else (a sigmoid GLU, a
+channels-first LayerNorm2d) is rejected with a reason instead of being converted; what the
+probe identifies is kept (Gemma's RMSNorm scales by ``1 + weight``: a weight offset of 1; GPT-2's
+``Conv1D`` is a linear layer with a transposed weight). Activations are checked against every
+entry of the activation registry.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 
 from lightning_lowmem.memory.saved_tensors import OBSERVER
-from lightning_lowmem.nn import GatedMLP, GatedMLPBase, TimmGluMlp
+from lightning_lowmem.nn import GatedMLP, GatedMLPBase, PackedGatedMLP, T5GatedMLP, TimmGluMlp
 from lightning_lowmem.ops.activation_registry import ACTIVATIONS
 
 _ACTIVATION_NAME = re.compile(r"gelu|silu|swish|mish", re.IGNORECASE)
@@ -31,6 +35,7 @@ class NotConvertible(Exception):
 
 
 NormKind = Literal["layer", "rms"]
+LinearKind = Literal["linear", "transposed"]  # x @ weight.T + bias (nn.Linear), x @ weight + bias (HF Conv1D)
 
 
 @dataclass(frozen=True)
@@ -40,6 +45,7 @@ class NormSpec:
     kind: NormKind
     normalized_shape: tuple[int, ...]
     eps: float | None
+    weight_offset: float = 0.0  # the affine scales by ``weight + weight_offset``
 
 
 def is_plain(module: nn.Module) -> bool:
@@ -82,49 +88,59 @@ def activation_name(module: nn.Module) -> str:
     raise NotConvertible(f"computes none of {known}")
 
 
-# Child names of the gated MLP layouts: Hugging Face LLaMA-family MLPs, timm SwiGLU and GluMlp.
-_GATED_LAYOUTS = {
-    "hf": ({"gate_proj", "up_proj", "down_proj", "act_fn"}, "act_fn"),
-    "timm": ({"fc1_g", "fc1_x", "act", "drop1", "norm", "fc2", "drop2"}, "act"),
-    "timm packed": ({"fc1", "act", "drop1", "norm", "fc2", "drop2"}, "act"),
-}
+@dataclass(frozen=True)
+class GatedLayout:
+    """A gated MLP layout by its child names: all of them, the activation, the projection reading the input;
+    ``build`` makes the fused module (sharing the children) from the stock one and the activation's name."""
+
+    children: frozenset[str]
+    activation: str
+    first: str
+    build: Callable[[nn.Module, str], GatedMLPBase]
+    marker: str | None = None  # an attribute telling it from a plain MLP with the same children
 
 
-def gated_layout(module: nn.Module) -> tuple[str, str] | None:
-    """``(layout, activation child name)`` when ``module`` looks like a gated MLP, else ``None``.
+_GATED_LAYOUTS = (
+    GatedLayout(  # Hugging Face LLaMA, Mistral, Qwen, Gemma, ...
+        frozenset({"gate_proj", "up_proj", "down_proj", "act_fn"}), "act_fn", "gate_proj",
+        lambda m, act: GatedMLP.from_projections(m.gate_proj, m.up_proj, m.down_proj, act),
+    ),
+    GatedLayout(frozenset({"gate_up_proj", "down_proj", "activation_fn"}), "activation_fn", "gate_up_proj", PackedGatedMLP),
+    GatedLayout(frozenset({"wi_0", "wi_1", "wo", "dropout", "act"}), "act", "wi_0", T5GatedMLP),  # T5 v1.1, Flan-T5
+    GatedLayout(frozenset({"fc1_g", "fc1_x", "act", "drop1", "norm", "fc2", "drop2"}), "act", "fc1_g", TimmGluMlp),
+    GatedLayout(  # timm's plain Mlp has the same children: ``gate_last`` tells them apart
+        frozenset({"fc1", "act", "drop1", "norm", "fc2", "drop2"}), "act", "fc1", TimmGluMlp, marker="gate_last"
+    ),
+)  # fmt: skip
 
-    timm's plain ``Mlp`` has the packed GLU's child names; ``gate_last`` tells them apart.
-    """
+
+def gated_layout(module: nn.Module) -> GatedLayout | None:
+    """The layout ``module`` has the children of (it may have more: :func:`fused_gated_mlp` says so), else ``None``."""
     children = set(module._modules)
-    for layout, (names, act) in _GATED_LAYOUTS.items():
-        if layout == "timm packed" and not hasattr(module, "gate_last"):
-            continue
-        if names == children or (layout == "hf" and names <= children):
-            return ("timm" if layout.startswith("timm") else layout), act
+    for layout in _GATED_LAYOUTS:
+        if layout.children <= children and (layout.marker is None or hasattr(module, layout.marker)):
+            return layout
     return None
 
 
-def fused_gated_mlp(stock: nn.Module, layout: str, act_name: str) -> GatedMLPBase:
-    """The verified fused replacement of a stock gated MLP of ``layout`` (``"hf"`` or ``"timm"``), sharing
-    its children, or :class:`NotConvertible`.
+def fused_gated_mlp(stock: nn.Module, layout: GatedLayout) -> GatedMLPBase:
+    """The verified fused replacement of a stock gated MLP of ``layout``, sharing its children, or
+    :class:`NotConvertible`.
 
     It must compute what the stock module computes on a random input (eval mode, so dropout cannot differ).
     """
     if not is_plain(stock):
         raise NotConvertible("has hooks or a patched forward (a replacement would drop them)")
-    activation = activation_name(stock._modules[act_name])
+    if set(stock._modules) != layout.children:
+        raise NotConvertible(f"extra submodules {sorted(set(stock._modules) - layout.children)}")
+    activation = activation_name(stock._modules[layout.activation])
     if not ACTIVATIONS[activation].gated:
         raise NotConvertible(f"the fused product has no kernel for {ACTIVATIONS[activation].label}")
-    if layout == "hf" and set(stock._modules) != _GATED_LAYOUTS["hf"][0]:
-        raise NotConvertible(f"extra submodules {sorted(set(stock._modules) - _GATED_LAYOUTS['hf'][0])}")
-    first = stock.gate_proj if layout == "hf" else stock._modules.get("fc1_g", stock._modules.get("fc1"))
+    first = stock._modules[layout.first]
     parameter = next(first.parameters(), None)
     if parameter is None or not isinstance(getattr(first, "in_features", None), int):
         raise NotConvertible("its first projection is not a linear layer")
-    if layout == "hf":
-        new = GatedMLP.from_projections(stock.gate_proj, stock.up_proj, stock.down_proj, activation)
-    else:
-        new = TimmGluMlp(stock, activation)
+    new = layout.build(stock, activation)
     x = torch.randn(2, 3, first.in_features, dtype=parameter.dtype, device=parameter.device)
     flags = [(m, m.training) for m in stock.modules()]
     try:
@@ -139,6 +155,68 @@ def fused_gated_mlp(stock: nn.Module, layout: str, act_name: str) -> GatedMLPBas
     if not same:
         raise NotConvertible("computes something else than act(gate) * up followed by the down projection")
     return new
+
+
+class LinearLayers:
+    """Which modules are linear layers, and of which :data:`LinearKind`.
+
+    An exact ``nn.Linear`` is one by its type. Any other module holding just a 2-d ``weight`` (and a
+    ``bias``) is called on a random input with random parameters and compared with both forms:
+    Falcon's ``FalconLinear`` (``x @ weight.T + bias``) is a "linear", GPT-2's ``Conv1D`` a
+    "transposed". The verdict holds for every module of the same class, shapes and settings, so it
+    is taken once for each (a 12-layer GPT-2 probes one ``Conv1D`` per shape).
+    """
+
+    def __init__(self) -> None:
+        self._verdicts: dict[tuple, LinearKind | None] = {}
+
+    def kind(self, module: nn.Module) -> LinearKind | None:
+        if type(module) is nn.Linear:
+            return "linear"
+        params = dict(module.named_parameters(recurse=False))
+        weight, bias = params.get("weight"), params.get("bias")
+        if (
+            weight is None
+            or set(params) - {"weight", "bias"}
+            or weight.dim() != 2
+            or not weight.is_floating_point()
+            or (bias is not None and (bias.dim() != 1 or bias.shape[0] not in weight.shape))
+            or module._modules
+            or any(True for _ in module.buffers(recurse=False))
+            or isinstance(module, nn.Embedding)
+            or not is_plain(module)
+        ):
+            return None
+        settings = tuple(sorted((k, v) for k, v in vars(module).items() if isinstance(v, (bool, int, float, str))))
+        key = (type(module), tuple(weight.shape), None if bias is None else bias.shape[0], settings)
+        if key not in self._verdicts:
+            self._verdicts[key] = _probe_linear(module, weight, bias)
+        return self._verdicts[key]
+
+
+def _probe_linear(module: nn.Module, weight: torch.Tensor, bias: torch.Tensor | None) -> LinearKind | None:
+    """What ``module`` computes with random parameters (fp32, on their device): a :data:`LinearKind` or None."""
+    trial = {"weight": torch.randn(weight.shape, device=weight.device)}
+    if bias is not None:
+        trial["bias"] = torch.randn(bias.shape, device=bias.device)
+    forms: dict[LinearKind, torch.Tensor] = {"linear": trial["weight"], "transposed": trial["weight"].t()}
+    for kind, as_linear in forms.items():
+        if bias is not None and bias.shape[0] != as_linear.shape[0]:
+            continue
+        x = torch.randn(2, 3, as_linear.shape[1], device=weight.device)
+        try:
+            with torch.no_grad():
+                y = functional_call(module, trial, (x,))
+                expected = F.linear(x, as_linear, trial.get("bias"))
+                if (
+                    isinstance(y, torch.Tensor)
+                    and y.shape == expected.shape
+                    and torch.allclose(y, expected, 1e-4, 1e-4)
+                ):
+                    return kind
+        except Exception:  # noqa: BLE001, S112 - a failed call means: not this form
+            continue
+    return None
 
 
 def _eps(module: nn.Module) -> float | None:
@@ -168,7 +246,7 @@ def norm_spec(module: nn.Module) -> NormSpec:
         raise NotConvertible(f"unexpected parameters/buffers {sorted(set(params) - {'weight', 'bias'})}")
     if not is_plain(module):
         raise NotConvertible("has hooks or a patched forward (they would see the affine-free output)")
-    weight, bias = params.get("weight"), params.get("bias")
+    weight = params.get("weight")
     shape = getattr(module, "normalized_shape", None)
     if shape is None:
         if weight is None:
@@ -186,15 +264,28 @@ def norm_spec(module: nn.Module) -> NormSpec:
         with torch.no_grad():
             y = functional_call(module, trial, (x,))
     except Exception as err:  # noqa: BLE001 - any failure means: not a norm over the trailing dims
-        raise NotConvertible(f"probe call failed ({type(err).__name__})") from None
+        raise NotConvertible(
+            f"fails on rows of its normalized shape ({type(err).__name__}): not a norm over the last dimensions "
+            "(channels-first?)"
+        ) from None
+    if not isinstance(y, torch.Tensor) or y.shape != x.shape:
+        raise NotConvertible("its output is not shaped like its input")
+    gamma, beta = trial.get("weight"), trial.get("bias")
     for kind in ("layer", "rms"):
-        if kind == "rms" and bias is not None:
+        if kind == "rms" and beta is not None:
             continue
-        expected = _reference(kind, x, shape, eps, trial.get("weight"), trial.get("bias"))
-        if (
-            isinstance(y, torch.Tensor)
-            and y.shape == x.shape
-            and torch.allclose(y.double(), expected, rtol=1e-4, atol=1e-5)
-        ):
-            return NormSpec(kind, shape, eps)
-    raise NotConvertible("output differs from LayerNorm/RMSNorm over the trailing dims (e.g. 1+weight, channels-first)")
+        z = _reference(kind, x, shape, eps, None, None)
+        offset = _weight_offset(y.double(), z, gamma, beta)
+        scale = None if gamma is None else gamma + offset
+        if torch.allclose(y.double(), _reference(kind, x, shape, eps, scale, beta), rtol=1e-4, atol=1e-5):
+            return NormSpec(kind, shape, eps, offset)
+    raise NotConvertible("computes neither LayerNorm nor RMSNorm over the last dimensions (e.g. channels-first)")
+
+
+def _weight_offset(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None) -> float:
+    """The ``c`` that fits ``y = z * (weight + c) + bias`` best (least squares; 0 without a weight), rounded:
+    Gemma's RMSNorm scales by ``1 + weight``."""
+    if weight is None:
+        return 0.0
+    rest = y - z * weight - (0 if bias is None else bias)
+    return round(float((rest * z).sum() / (z * z).sum()), 6)

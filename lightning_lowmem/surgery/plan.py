@@ -15,10 +15,20 @@ from typing import Any
 
 from torch import nn
 
-from lightning_lowmem.nn import GatedMLPBase, LowMemActivation, LowMemLinear, MemorySharingNorm, MSLayerNorm, MSRMSNorm
+from lightning_lowmem.nn import (
+    GatedMLPBase,
+    LowMemActivation,
+    LowMemLinear,
+    LowMemTransposedLinear,
+    MemorySharingNorm,
+    MSLayerNorm,
+    MSRMSNorm,
+)
 from lightning_lowmem.ops.activation_registry import check_bits
 from lightning_lowmem.surgery import dataflow
 from lightning_lowmem.surgery.detect import (
+    LinearKind,
+    LinearLayers,
     NormSpec,
     NotConvertible,
     activation_name,
@@ -37,6 +47,10 @@ _CONVERTED: dict[type[nn.Module], EntryKind] = {
     MemorySharingNorm: "norm",
 }
 _GATED_NAMES = {"silu": "SwiGLU", "gelu": "GeGLU", "gelu_tanh": "GeGLU (tanh)"}
+_LOW_MEMORY_LINEARS: dict[LinearKind, type[LowMemLinear | LowMemTransposedLinear]] = {
+    "linear": LowMemLinear,
+    "transposed": LowMemTransposedLinear,
+}
 
 
 class ExampleInputError(RuntimeError):
@@ -119,6 +133,7 @@ class Candidates:
     activations: dict[str, str] = field(default_factory=dict)  # -> activation registry name
     norms: dict[str, NormSpec] = field(default_factory=dict)
     gated: dict[str, GatedMLPBase] = field(default_factory=dict)  # -> its verified fused replacement
+    linears: dict[str, LinearKind] = field(default_factory=dict)  # every linear layer not yet low-memory
     entries: dict[str, Entry] = field(default_factory=dict)
 
 
@@ -134,16 +149,20 @@ def nominate(model: nn.Module, options: Options) -> Candidates:
     found = Candidates()
     named = dict(model.named_modules())
     fused_activations: set[str] = set()
+    linear_layers = LinearLayers()
     for name, module in named.items():
         layout = gated_layout(module) if options.gated and options.selected(name) else None
         if layout is None:
             continue
         try:
-            found.gated[name] = fused_gated_mlp(module, *layout)
-            fused_activations.add(f"{name}.{layout[1]}")
+            found.gated[name] = fused_gated_mlp(module, layout)
+            fused_activations.add(f"{name}.{layout.activation}")
         except NotConvertible as err:
             found.entries[name] = Entry(name, "gated MLP", type(module).__name__, "left alone", str(err))
     for name, module in named.items():
+        kind = None if isinstance(module, tuple(_LOW_MEMORY_LINEARS.values())) else linear_layers.kind(module)
+        if kind is not None:
+            found.linears[name] = kind
         done = _already_converted(name, module)
         if done is not None:
             found.entries[name] = done
@@ -172,7 +191,8 @@ def trace_norms(model: nn.Module, example: Any, found: Candidates, options: Opti
         return flow
     activations = {m for m in named.values() if is_activation_candidate(m) or isinstance(m, tuple(_CONVERTED))}
     try:
-        flow = dataflow.trace(model, example, {n: named[n] for n in found.norms}, activations)
+        norms = {n: (named[n], spec.normalized_shape) for n, spec in found.norms.items()}
+        flow = dataflow.trace(model, example, norms, activations)
     except Exception as err:
         raise ExampleInputError(
             f"apply_lowmem: {type(model).__name__} cannot run the example input ({type(err).__name__}: {err}); "
@@ -181,30 +201,56 @@ def trace_norms(model: nn.Module, example: Any, found: Candidates, options: Opti
     for name, spec in found.norms.items():  # a linear reads the last dimension: its affine must be over that one
         if len(spec.normalized_shape) > 1:
             flow.block(name, f"normalized over {len(spec.normalized_shape)} dimensions, its linear readers over one")
-    for name, consumers in flow.consumers.items():
-        kept = {c for c in consumers if not options.excluded(c) and is_plain(named[c])}
-        if not kept:  # an excluded or hooked linear stays stock and reads the norm's output as it is
-            dropped = min(consumers)
-            why = "is excluded" if options.excluded(dropped) else "has hooks or a patched forward"
-            flow.block(name, f"its only linear readers stay stock (consumer {dropped} {why})")
-        consumers &= kept
+        elif name not in flow.blocked:
+            _decide_consumers(name, flow, found.linears, named, options)
     return flow
+
+
+def _decide_consumers(
+    norm: str, flow: dataflow.Flow, linears: dict[str, LinearKind], named: dict[str, nn.Module], options: Options
+) -> None:
+    """The linear layers reading ``norm``'s output that become its consumers, or the norm's reason to be left
+    alone. A linear layer is called on the output, or its weight is used by ``F.linear`` on it in another
+    module's forward (that module then shares through :func:`~lightning_lowmem.nn.linear.share_functional_linears`).
+    An excluded or hooked one stays stock and reads the stock output."""
+    reads = flow.reads[norm]
+    called = [r.where for r in reads if r.op is None and r.where in linears]
+    functional = [
+        r for r in reads if r.op == "linear" and linears.get(r.weight_of) == "linear" and not options.excluded(r.where)
+    ]
+    linear = called + [r.weight_of for r in functional]
+    keep = lambda layer: not options.excluded(layer) and is_plain(named[layer])
+    flow.consumers[norm] = [c for c in dict.fromkeys(linear) if keep(c)]
+    flow.functional_callers[norm] = sorted({r.where for r in functional if keep(r.weight_of)})
+    if flow.consumers[norm]:
+        return
+    if linear:
+        why = "is excluded" if options.excluded(linear[0]) else "has hooks or a patched forward"
+        flow.block(norm, f"its only linear readers stay stock (consumer {linear[0]} {why})")
+    else:
+        first = next((f" (first read by {r.describe()})" for r in reads), "")
+        flow.block(norm, "no linear layer reads its output" + first)
 
 
 @dataclass
 class Plan:
-    """Every replacement (old module -> new module), and the report entries."""
+    """Every replacement (old module -> new module), the modules whose own ``F.linear`` calls must share
+    (:func:`~lightning_lowmem.nn.linear.share_functional_linears`), and the report entries."""
 
     replacements: dict[nn.Module, nn.Module] = field(default_factory=dict)
+    functional_callers: list[nn.Module] = field(default_factory=list)
     entries: list[Entry] = field(default_factory=list)
     linears: int = 0
 
 
-def _norm_detail(name: str, spec: NormSpec, consumers: list[str]) -> str:
-    """E.g. ``MS-LN, shared with attn.qkv`` (consumer names relative to the norm's parent)."""
+def _norm_detail(name: str, spec: NormSpec, consumers: list[str], callers: list[str]) -> str:
+    """E.g. ``MS-LN, shared with attn.qkv (its weight in F.linear in attn)`` (names relative to the norm's parent)."""
     kind = "MS-LN" if spec.kind == "layer" else "MS-RMSNorm"
     parent = name.rpartition(".")[0] + "." if "." in name else ""
-    return f"{kind}, shared with {', '.join(c.removeprefix(parent) for c in consumers)}"
+    detail = f"{kind}, shared with {', '.join(c.removeprefix(parent) for c in consumers)}"
+    if callers:
+        detail += f" (its weight in F.linear in {', '.join(c.removeprefix(parent) for c in callers)})"
+    return detail
 
 
 def _gated_detail(new: GatedMLPBase) -> str:
@@ -234,19 +280,20 @@ def make_plan(model: nn.Module, found: Candidates, flow: dataflow.Flow, options:
             plan.entries.append(Entry(name, "norm", type(stock).__name__, "left alone", flow.blocked[name]))
             continue
         cls = MSLayerNorm if spec.kind == "layer" else MSRMSNorm
-        new = cls(spec.normalized_shape, spec.eps)
+        new = cls(spec.normalized_shape, spec.eps, weight_offset=spec.weight_offset)
         new.weight, new.bias = stock._parameters.get("weight"), stock._parameters.get("bias")
-        consumers = sorted(flow.consumers[name])
+        consumers, callers = sorted(flow.consumers[name]), flow.functional_callers[name]
         norm_of.update(dict.fromkeys(consumers, new))
-        replace(name, "norm", new, _norm_detail(name, spec, consumers))
-    for name, module in named.items():
-        recast = options.linear and options.selected(name) and is_plain(module)
-        if type(module) is nn.Linear and (name in norm_of or recast):
-            plan.replacements[module] = LowMemLinear.from_linear(module, norm=norm_of.get(name))
+        plan.functional_callers += [named[c] for c in callers if named[c] not in plan.functional_callers]
+        replace(name, "norm", new, _norm_detail(name, spec, consumers, callers))
+    for name, kind in found.linears.items():
+        module = named[name]
+        if name in norm_of or (options.linear and options.selected(name) and is_plain(module)):
+            plan.replacements[module] = _LOW_MEMORY_LINEARS[kind].from_linear(module, norm=norm_of.get(name))
             plan.linears += 1
     for where, ops in flow.functional.items():
         was = "F." + "/F.".join(sorted(ops))
-        plan.entries.append(Entry(where, "functional", was, "left alone", "functional call inside forward"))
+        plan.entries.append(Entry(where, "functional", was, "left alone", "called as a function, not a module"))
     order = {name: i for i, name in enumerate(named)}
     plan.entries.sort(key=lambda e: (order.get(e.name, len(order)), e.kind))
     return plan

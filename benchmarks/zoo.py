@@ -1,0 +1,189 @@
+"""The model zoo of ``apply_lowmem``: tiny random-init models of the families people fine-tune.
+
+One home for the configurations that ``tests/test_coverage.py`` checks and ``benchmarks/surgery.py
+--zoo`` measures for the README table. Every model is fp32, dropout 0, hidden size 64, two layers
+(one encoder and one decoder layer for encoder-decoders), batch 2, sequence length 16 (images
+32x32 in patches of 8; EVA 28x28 in patches of 14); nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+BATCH, SEQ, HIDDEN, VOCAB = 2, 16, 64, 128
+
+
+@dataclass(frozen=True)
+class Family:
+    """A model family: how to build its tiny model and its example input, and where its hidden states are."""
+
+    name: str
+    build: Callable[[], nn.Module]
+    example: Callable[[], Any]  # a tensor, or a dict of keyword arguments
+    source: str  # "transformers" or "timm"
+
+    def call(self, model: nn.Module, example: Any, hidden_states: bool = False) -> Any:
+        """The model's output; with ``hidden_states`` also every hidden state it can return."""
+        if self.source == "timm":
+            return (
+                model.forward_intermediates(example, norm=True, output_fmt="NLC") if hidden_states else model(example)
+            )
+        extra = {"output_hidden_states": True} if hidden_states else {}
+        return model(**example, **extra)
+
+
+def tokens(eos: int | None = None) -> torch.Tensor:
+    ids = torch.randint(3, VOCAB, (BATCH, SEQ))
+    if eos is not None:  # BART's classification head pools the last <eos> of each row
+        ids[:, -1] = eos
+    return ids
+
+
+def _text(cls_name: str, config_name: str, eos: int | None = None, causal: bool = False, **config: Any) -> Family:
+    def build() -> nn.Module:
+        import transformers
+
+        return getattr(transformers, cls_name)(getattr(transformers, config_name)(**config))
+
+    def example() -> dict[str, torch.Tensor]:
+        inputs = {"input_ids": tokens(eos)}
+        if cls_name.startswith("T5"):
+            inputs["decoder_input_ids"] = tokens()
+        if causal:
+            inputs["use_cache"] = False
+        return inputs
+
+    return Family(cls_name, build, example, "transformers")
+
+
+def _image(model_name: str, size: int = 32, patch: int = 8) -> Family:
+    def build() -> nn.Module:
+        import timm
+
+        return timm.create_model(
+            model_name, pretrained=False, depth=2, img_size=size, patch_size=patch, embed_dim=HIDDEN, num_heads=2,
+            num_classes=5,
+        )  # fmt: skip
+
+    return Family(model_name, build, lambda: torch.randn(BATCH, 3, size, size), "timm")
+
+
+_BERTISH = {
+    "vocab_size": VOCAB,
+    "hidden_size": HIDDEN,
+    "intermediate_size": 4 * HIDDEN,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "max_position_embeddings": 64,
+    "hidden_dropout_prob": 0.0,
+    "attention_probs_dropout_prob": 0.0,
+    "num_labels": 3,
+}
+_DECODER = {
+    "vocab_size": VOCAB,
+    "hidden_size": HIDDEN,
+    "intermediate_size": 2 * HIDDEN,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 64,
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+FAMILIES: dict[str, Family] = {
+    family.name: family
+    for family in (
+        _text("BertForSequenceClassification", "BertConfig", **_BERTISH),
+        _text("RobertaForSequenceClassification", "RobertaConfig", pad_token_id=1, **_BERTISH),
+        _text("ElectraForSequenceClassification", "ElectraConfig", embedding_size=32, **_BERTISH),
+        _text("DebertaV2ForSequenceClassification", "DebertaV2Config", pooler_dropout=0.0, **_BERTISH),
+        _text(
+            "DistilBertForSequenceClassification",
+            "DistilBertConfig",
+            vocab_size=VOCAB,
+            dim=HIDDEN,
+            hidden_dim=4 * HIDDEN,
+            n_layers=2,
+            n_heads=4,
+            max_position_embeddings=64,
+            dropout=0.0,
+            attention_dropout=0.0,
+            seq_classif_dropout=0.0,
+            num_labels=3,
+        ),
+        _text(
+            "BartForSequenceClassification",
+            "BartConfig",
+            eos=2,
+            vocab_size=VOCAB,
+            d_model=HIDDEN,
+            encoder_layers=1,
+            decoder_layers=1,
+            encoder_attention_heads=4,
+            decoder_attention_heads=4,
+            encoder_ffn_dim=4 * HIDDEN,
+            decoder_ffn_dim=4 * HIDDEN,
+            dropout=0.0,
+            attention_dropout=0.0,
+            activation_dropout=0.0,
+            classifier_dropout=0.0,
+            max_position_embeddings=64,
+            num_labels=3,
+        ),
+        _text(
+            "T5ForConditionalGeneration",
+            "T5Config",
+            vocab_size=VOCAB,
+            d_model=HIDDEN,
+            d_kv=16,
+            d_ff=2 * HIDDEN,
+            num_layers=1,
+            num_decoder_layers=1,
+            num_heads=4,
+            feed_forward_proj="gated-gelu",
+            dropout_rate=0.0,
+        ),
+        _text(
+            "GPT2LMHeadModel",
+            "GPT2Config",
+            causal=True,
+            vocab_size=VOCAB,
+            n_embd=HIDDEN,
+            n_layer=2,
+            n_head=4,
+            n_positions=64,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+        _text(
+            "FalconForCausalLM",
+            "FalconConfig",
+            causal=True,
+            vocab_size=VOCAB,
+            hidden_size=HIDDEN,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+        _text("LlamaForCausalLM", "LlamaConfig", causal=True, **_DECODER),
+        _text("Phi3ForCausalLM", "Phi3Config", causal=True, **_DECODER),
+        _text("GemmaForCausalLM", "GemmaConfig", causal=True, head_dim=16, **_DECODER),
+        _text("Gemma2ForCausalLM", "Gemma2Config", causal=True, head_dim=16, **_DECODER),
+        _image("vit_small_patch16_224"),
+        _image("beit_base_patch16_224"),
+        _image("eva02_tiny_patch14_224", size=28, patch=14),
+    )
+}
