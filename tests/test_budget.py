@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import copy
+import json
+import os
 import pickle
+import subprocess
+import sys
+from pathlib import Path
 
+import lightning.pytorch as pl
 import pytest
 import torch
 from torch import nn
 
-from lightning_lowmem import apply_lowmem, max_batch_size, plan
+from lightning_lowmem import LowMemBP, PeakMemoryMonitor, apply_lowmem, max_batch_size, plan
+from lightning_lowmem.lightning import plots
 from lightning_lowmem.memory import MIB, SavedTensorMeter
 from lightning_lowmem.surgery.budget import checkpointed_forward, find_blocks
 
@@ -132,3 +139,88 @@ def test_bad_budgets_are_refused_before_anything_runs():
     for bad in (0, -1.0, "1GB", True):
         with pytest.raises(ValueError, match="budget_mib"):
             apply_lowmem(vit_small(), example_input=images(), budget_mib=bad)
+
+
+# -- in a Trainer ------------------------------------------------------------------------------
+class Blocks(pl.LightningModule):
+    """Three pre-norm MLP blocks; ``example_input_array`` has 2 rows, the training batches 8: the budget is
+    fitted on the first training batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.Sequential(*(Residual(64) for _ in range(3)))
+        self.example_input_array = torch.randn(2, 16, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks(x)
+
+    def training_step(self, batch, batch_idx):
+        return self(batch).square().mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(
+            torch.randn(16, 16, 64, generator=torch.Generator().manual_seed(2)), batch_size=8
+        )
+
+
+class Residual(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.net(x)
+
+
+def test_lowmem_bp_fits_the_budget_on_the_first_training_batch_and_the_monitor_shows_the_plan(tmp_path):
+    need = apply_lowmem(Blocks(), example_input=torch.randn(8, 16, 64)).saved_bytes_after
+    callback, monitor = LowMemBP(budget_mib=0.8 * need / MIB), PeakMemoryMonitor(activation_every_n_steps=1, plot=True)
+    pl.Trainer(
+        accelerator="cpu", max_epochs=1, default_root_dir=tmp_path, logger=False, callbacks=[callback, monitor],
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    ).fit(Blocks())  # fmt: skip
+    plan = callback.report.budget
+    assert callback.report.probe == "model(tensor[2, 16, 64])"  # converted on the example ...
+    assert plan.measured_bytes <= 0.8 * need and len(plan.checkpointed) == 2  # ... the budget fits batches of 8
+    summary = json.loads((tmp_path / "peak_memory.json").read_text())
+    measured = summary["epochs"][0]["train"]["activation"] - summary["modules_first_epoch_mib"]["<outside>"]
+    assert measured == pytest.approx(summary["lowmem"]["budget"]["forward_mib"], abs=1e-3)  # each step: the plan
+    labels = [line.get_label() for line in plots.epoch_figure(summary).axes[0].get_lines()]
+    assert f"LowMemBP budget {summary['lowmem']['budget']['budget_mib']:g} MiB" in labels
+    assert any(label.startswith("planned: forward") and "2 blocks checkpointed" in label for label in labels)
+
+
+DDP_SCRIPT = """
+import json, sys, torch
+import lightning.pytorch as pl
+sys.path.insert(0, {tests!r})
+from test_budget import Blocks
+from lightning_lowmem import LowMemBP
+
+callback = LowMemBP(budget_mib={budget})
+trainer = pl.Trainer(accelerator="cpu", strategy="ddp", devices=2, max_steps=2, logger=False,
+                     enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                     callbacks=[callback], default_root_dir={root!r})
+model = Blocks()
+trainer.fit(model)
+checkpointed = trainer.strategy.all_gather(torch.tensor([int(n.rpartition(".")[2]) for n in callback.report.checkpointed]))
+weights = trainer.strategy.all_gather(torch.cat([p.detach().flatten() for p in model.parameters()]))
+if trainer.global_rank == 0:
+    json.dump({{"checkpointed": checkpointed.tolist(), "ranks_equal": bool(torch.equal(weights[0], weights[1]))}},
+              open({out!r}, "w"))
+"""
+
+
+def test_ddp_ranks_checkpoint_the_same_blocks(tmp_path):
+    need = apply_lowmem(Blocks(), example_input=torch.randn(8, 16, 64)).saved_bytes_after
+    out, script = tmp_path / "ddp.json", tmp_path / "ddp_budget.py"
+    tests = str(Path(__file__).parent)
+    script.write_text(DDP_SCRIPT.format(tests=tests, root=str(tmp_path), out=str(out), budget=0.8 * need / MIB))
+    env = {k: v for k, v in os.environ.items() if k.startswith(("LIGHTNING_LOWMEM", "HOME", "TMP", "PATH"))}
+    subprocess.run([sys.executable, str(script)], check=True, cwd=tmp_path, env=env, timeout=300)
+    result = json.loads(out.read_text())
+    assert result == {"checkpointed": [[1, 2], [1, 2]], "ranks_equal": True}

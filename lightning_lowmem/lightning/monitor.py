@@ -311,6 +311,15 @@ def _lowmem_summary(report: LowMemReport, activation_mib: float | None, outside_
         for stage in ("before", "after"):
             by_module = getattr(report, f"saved_by_module_{stage}")
             summary[f"saved_by_module_{stage}_mib"] = {name: round(n / MIB, 4) for name, n in by_module.items()}
+    if report.budget is not None:
+        plan = report.budget
+        summary["budget"] = {
+            "budget_mib": round(plan.budget_bytes / MIB, 4),
+            "predicted_mib": round(plan.predicted_bytes / MIB, 4),
+            "forward_mib": round(plan.forward_bytes / MIB, 4),
+            "recompute_mib": round(plan.recompute_bytes / MIB, 4),
+            "checkpointed": plan.checkpointed,
+        }
     return summary
 
 

@@ -69,7 +69,7 @@ def epoch_figure(summary: dict[str, Any]) -> Figure | None:
                     ax.plot(*zip(*points), color=COLORS[name], label=f"{stage} {LABELS[name]}", **style)
                     top = max(top, *(value for _, value in points))
         if "activation" in names:
-            top = max(top, _stock_reference(ax, summary))
+            top = max(top, _stock_reference(ax, summary), _budget_plan(ax, summary))
         for name in names:
             top = _budget(ax, summary.get("budget_mib", {}).get(name), top)
         ax.set_ylim(0, 1.2 * top or 1.0)  # from zero: a 1% wobble must not look like a cliff
@@ -104,6 +104,21 @@ def _stock_reference(ax: Axes, summary: dict[str, Any]) -> float:
     if "reduction" in lowmem:  # the stock figure at this batch is unknown: say what was measured, where
         ax.text(0.03, 0.97, conversion_text(lowmem), color="0.25", transform=ax.transAxes, va="top", fontsize="small")
     return 0.0
+
+
+def _budget_plan(ax: Axes, summary: dict[str, Any]) -> float:
+    """LowMemBP's activation budget and its plan: the forward's saved bytes it predicted (what each epoch's
+    figure measures) and, on top, the largest block recomputed in backward."""
+    plan = summary.get("lowmem", {}).get("budget")
+    if plan is None:
+        return 0.0
+    ax.axhline(plan["budget_mib"], color=BUDGET, linestyle="--", label=f"LowMemBP budget {plan['budget_mib']:g} MiB")
+    label = (
+        f"planned: forward {plan['forward_mib']:.2f} MiB (+{plan['recompute_mib']:.2f} recomputed), "
+        f"{len(plan['checkpointed'])} blocks checkpointed"
+    )
+    ax.axhline(plan["forward_mib"], color=CONVERTED, linestyle=":", label=label)
+    return plan["budget_mib"]
 
 
 def conversion_text(lowmem: dict[str, Any]) -> str:
