@@ -15,6 +15,7 @@ SMOKE = {
     "paper_tables.py": ["--smoke"],
     "parity.py": ["--smoke"],
     "gated_mlp.py": ["--smoke"],
+    "budget.py": ["--smoke"],
 }
 
 

@@ -87,7 +87,8 @@ def checkpointed_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     return checkpoint(type(module).forward, module, *args, use_reentrant=False, **kwargs)
 
 
-def _checkpoint(surgery: Surgery, module: nn.Module) -> None:
+def checkpoint_block(surgery: Surgery, module: nn.Module) -> None:
+    """Wrap ``module``'s forward in activation checkpointing, through ``surgery`` (so that it can be undone)."""
     surgery.override(module, "forward", partial(checkpointed_forward, module))
 
 
@@ -177,14 +178,14 @@ def fit_budget(
         chosen.append(ranked[len(chosen)])
     plan.predicted_bytes = predicted_bytes(total, chosen)
     for block in chosen:
-        _checkpoint(surgery, model.get_submodule(block.name))
+        checkpoint_block(surgery, model.get_submodule(block.name))
     while True:  # the prediction assumed no checkpointed input is saved by anything else: measure
         plan.forward_bytes = measure_saved(model, example).total_bytes
         plan.recompute_bytes = max((b.own_bytes for b in chosen), default=0)
         if plan.measured_bytes <= plan.budget_bytes or len(chosen) == len(ranked):
             break
         chosen.append(ranked[len(chosen)])
-        _checkpoint(surgery, model.get_submodule(chosen[-1].name))
+        checkpoint_block(surgery, model.get_submodule(chosen[-1].name))
     if plan.measured_bytes > plan.budget_bytes:
         raise ValueError(
             f"apply_lowmem: an activation budget of {budget_mib:g} MiB cannot be met at this batch: checkpointing "
