@@ -335,6 +335,7 @@ def test_module_png_shows_where_memory_goes_and_what_lowmem_did(lowmem_run):
     (ax,) = figure.axes
     labels = [tick.get_text() for tick in ax.get_yticklabels()]
     assert {"blocks.*.3 ×2", "blocks.*.2 ×2", "norm"} <= set(labels)  # repeated blocks summed
+    assert "one forward on model(tensor[4, 16, 64]), measured by LowMemBP" in figure.get_suptitle()
     lowmem = summary["lowmem"]
     sources = {
         "this run": summary["modules_first_epoch_mib"],

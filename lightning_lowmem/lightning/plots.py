@@ -151,7 +151,7 @@ def module_figure(summary: dict[str, Any], top: int = 15) -> Figure | None:
             "stock model": lowmem["saved_by_module_before_mib"],
             "with LowMemBP": lowmem["saved_by_module_after_mib"],
         }
-        measured = "one forward on example_input_array, measured by LowMemBP at conversion"
+        measured = f"one forward on {lowmem.get('probe') or 'the example input'}, measured by LowMemBP at conversion"
     elif summary.get("modules_first_epoch_mib"):
         series = {"this run": summary["modules_first_epoch_mib"]}
         measured = "largest sampled training step of the first epoch"
