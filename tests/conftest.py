@@ -116,3 +116,26 @@ KERNEL_BACKENDS = [
 def kernel_backend(request) -> KernelBackend:
     """Each compiled backend on its device: C++ on CPU, CUDA C++ and Triton on a GPU, Triton interpreted on CPU."""
     return _load_backend(*request.param)
+
+
+def run_ddp_script(tmp_path, template: str, **fields: Any) -> Any:
+    """Run a Lightning 2-process DDP script in a fresh interpreter and return the JSON it wrote to ``{out}``.
+
+    ``template`` is formatted with ``fields`` plus ``out``, ``root`` (``tmp_path``) and ``tests`` (this folder,
+    also on the path). The script ends by destroying the process group: gloo's worker threads still holding
+    tensors at interpreter shutdown abort the process (SIGABRT, "terminate called without an active
+    exception", pytorch/pytorch#179291), intermittently, after a run that succeeded."""
+    import json
+    import subprocess
+    import sys
+    import textwrap
+    from pathlib import Path
+
+    tests = Path(__file__).resolve().parent
+    out, path = tmp_path / "ddp.json", tmp_path / "ddp_run.py"
+    text = textwrap.dedent(template).format(out=str(out), root=str(tmp_path), tests=str(tests), **fields)
+    path.write_text(text + "\nif torch.distributed.is_initialized():\n    torch.distributed.destroy_process_group()\n")
+    env = {k: v for k, v in os.environ.items() if k.startswith(("LIGHTNING_LOWMEM", "HOME", "TMP"))}
+    env.update(PYTHONPATH=os.pathsep.join([str(tests.parent), str(tests)]), PATH="/usr/bin:/bin")
+    subprocess.run([sys.executable, str(path)], check=True, cwd=tmp_path, env=env, timeout=300)
+    return json.loads(out.read_text())

@@ -4,15 +4,12 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import pickle
-import subprocess
-import sys
-from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
 import torch
+from conftest import run_ddp_script
 from torch import nn
 
 from lightning_lowmem import LowMemBP, PeakMemoryMonitor, apply_lowmem, max_batch_size, plan
@@ -195,9 +192,8 @@ def test_lowmem_bp_fits_the_budget_on_the_first_training_batch_and_the_monitor_s
 
 
 DDP_SCRIPT = """
-import json, sys, torch
+import json, torch
 import lightning.pytorch as pl
-sys.path.insert(0, {tests!r})
 from test_budget import Blocks
 from lightning_lowmem import LowMemBP
 
@@ -217,10 +213,5 @@ if trainer.global_rank == 0:
 
 def test_ddp_ranks_checkpoint_the_same_blocks(tmp_path):
     need = apply_lowmem(Blocks(), example_input=torch.randn(8, 16, 64)).saved_bytes_after
-    out, script = tmp_path / "ddp.json", tmp_path / "ddp_budget.py"
-    tests = str(Path(__file__).parent)
-    script.write_text(DDP_SCRIPT.format(tests=tests, root=str(tmp_path), out=str(out), budget=0.8 * need / MIB))
-    env = {k: v for k, v in os.environ.items() if k.startswith(("LIGHTNING_LOWMEM", "HOME", "TMP", "PATH"))}
-    subprocess.run([sys.executable, str(script)], check=True, cwd=tmp_path, env=env, timeout=300)
-    result = json.loads(out.read_text())
+    result = run_ddp_script(tmp_path, DDP_SCRIPT, budget=0.8 * need / MIB)
     assert result == {"checkpointed": [[1, 2], [1, 2]], "ranks_equal": True}

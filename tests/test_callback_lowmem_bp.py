@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
 import torch
+from conftest import run_ddp_script
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -114,9 +111,8 @@ def test_checkpoint_resume_and_stock_load(tmp_path):
 
 
 DDP_SCRIPT = """
-import json, sys, torch
+import json, torch
 import lightning.pytorch as pl
-sys.path.insert(0, {tests!r})
 from test_callback_lowmem_bp import Module, loader
 from lightning_lowmem.lightning import LowMemBP
 from lightning_lowmem.nn import MemorySharingNorm
@@ -140,21 +136,8 @@ if trainer.global_rank == 0:
 
 @pytest.mark.parametrize("example", [True, False], ids=["example_input_array", "first_batch"])
 def test_ddp_cpu_two_processes(tmp_path, example):
-    out = tmp_path / "ddp.json"
-    script = tmp_path / "ddp_run.py"
-    script.write_text(
-        textwrap.dedent(DDP_SCRIPT.format(tests=str(REPO / "tests"), root=str(tmp_path), out=str(out), example=example))
-    )
-    env = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}
-    subprocess.run([sys.executable, str(script)], check=True, cwd=tmp_path, env={**env, **_passthrough()}, timeout=300)
-    result = json.loads(out.read_text())
+    result = run_ddp_script(tmp_path, DDP_SCRIPT, example=example)
     assert result == {"converted": ["net.0", "net.2"], "norm": True, "ranks_equal": True, "steps": 3}
-
-
-def _passthrough() -> dict[str, str]:
-    import os
-
-    return {k: v for k, v in os.environ.items() if k.startswith(("LIGHTNING_LOWMEM", "HOME", "TMP"))}
 
 
 class Arch(pl.LightningModule):

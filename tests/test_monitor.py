@@ -5,14 +5,12 @@ from __future__ import annotations
 import csv
 import io
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
 import torch
+from conftest import run_ddp_script
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning_utilities.core.imports import RequirementCache
@@ -433,13 +431,7 @@ if trainer.global_rank == 0:
 
 
 def test_ddp_logs_the_max_across_ranks_in_one_reduction_per_epoch(tmp_path):
-    out, script = tmp_path / "ddp.json", tmp_path / "ddp_run.py"
-    script.write_text(DDP_SCRIPT.format(root=str(tmp_path), out=str(out)))
-    env = {k: v for k, v in os.environ.items() if k.startswith(("LIGHTNING_LOWMEM", "HOME", "TMP", "PATH"))}
-    subprocess.run(
-        [sys.executable, str(script)], check=True, cwd=tmp_path, env={**env, "PYTHONPATH": REPO}, timeout=300
-    )
-    result = json.loads(out.read_text())
+    result = run_ddp_script(tmp_path, DDP_SCRIPT)
     rank0, rank1 = result["per_rank"]
     assert rank1 > rank0
     assert result["logged"] == pytest.approx(rank1, abs=1e-3) and result["summary"] == pytest.approx(rank1, abs=1e-3)
