@@ -8,8 +8,12 @@
 #include <ATen/cpu/vec/vec.h>
 
 #include <algorithm>
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+#include <immintrin.h>
+#endif
 #include <limits>
 #include <array>
+#include <cstring>
 #include <tuple>
 #include <type_traits>
 #include <vector>
@@ -86,44 +90,233 @@ std::array<acc_t, K> row_sums(int64_t n, F&& term) {
   return sums;
 }
 
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+// The levels of Vectorized<float>::size() consecutive codes (their packed bits start on a byte boundary)
+// as one vector, in registers: the codes' word broadcast to every lane, shifted by the lane's bit offset,
+// masked, then a lane permute of the level table (at most 16 levels; AVX2 blends two 8-lane halves).
+template <int kBits>
+class VecLevels {
+ public:
+  static constexpr int W = Vectorized<float>::size();
+  static constexpr int kBytes = W * kBits / 8;  // packed bytes per vector of codes
+
+  explicit VecLevels(const float* levels) {
+    alignas(64) float table[16] = {};
+    alignas(64) int32_t shift[W], word[W];
+    for (int k = 0; k < Packing<kBits>::kLevels; ++k) table[k] = levels[k];
+    for (int lane = 0; lane < W; ++lane) {
+      shift[lane] = lane * kBits % 32;
+      word[lane] = lane * kBits / 32;
+    }
+#if defined(CPU_CAPABILITY_AVX512)
+    table_ = _mm512_load_ps(table);
+    shift_ = _mm512_load_si512(shift);
+    word_ = _mm512_load_si512(word);
+    mask_ = _mm512_set1_epi32(Packing<kBits>::kMask);
+#else
+    low_ = _mm256_load_ps(table);
+    high_ = _mm256_load_ps(table + 8);
+    shift_ = _mm256_load_si256(reinterpret_cast<const __m256i*>(shift));
+    mask_ = _mm256_set1_epi32(Packing<kBits>::kMask);
+#endif
+  }
+
+  Vectorized<float> operator()(const uint8_t* packed) const {
+    uint64_t bits = 0;
+    std::memcpy(&bits, packed, kBytes);
+#if defined(CPU_CAPABILITY_AVX512)
+    const __m512i words = _mm512_permutexvar_epi32(word_, _mm512_castsi128_si512(_mm_cvtsi64_si128(bits)));
+    return _mm512_permutexvar_ps(_mm512_and_si512(_mm512_srlv_epi32(words, shift_), mask_), table_);
+#else
+    const __m256i code = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int32_t>(bits)), shift_), mask_);
+    const __m256 low = _mm256_permutevar8x32_ps(low_, code);
+    if constexpr (kBits < 4) return low;
+    const __m256 above_7 = _mm256_castsi256_ps(_mm256_slli_epi32(code, 28));  // bit 3 of the code, as a sign
+    return _mm256_blendv_ps(low, _mm256_permutevar8x32_ps(high_, code), above_7);
+#endif
+  }
+
+ private:
+#if defined(CPU_CAPABILITY_AVX512)
+  __m512 table_;
+  __m512i shift_, word_, mask_;
+#else
+  __m256 low_, high_;
+  __m256i shift_, mask_;
+#endif
+};
+
+// The packed codes of Vectorized<float>::size() elements (W * kBits bits, element e at bit e * kBits):
+// a lane's code is how many thresholds it exceeds, counted from compare masks. One bit: the compare
+// mask is the packed codes. AVX512: codes narrowed to bytes, then packed as pack_word does; AVX2: each
+// lane shifted to its bit offset, the lanes ORed into one word.
+template <int kBits>
+class VecCodes {
+ public:
+  static constexpr int W = Vectorized<float>::size();
+  static constexpr int kBytes = W * kBits / 8;
+
+  explicit VecCodes(const float* thresholds) {
+    for (int t = 0; t < Packing<kBits>::kThresholds; ++t) thresholds_[t] = Vectorized<float>(thresholds[t]);
+#if !defined(CPU_CAPABILITY_AVX512)
+    alignas(32) int32_t shift[W];
+    for (int lane = 0; lane < W; ++lane) shift[lane] = lane * kBits % 32;
+    shift_ = _mm256_load_si256(reinterpret_cast<const __m256i*>(shift));
+#endif
+  }
+
+  void operator()(Vectorized<float> x, uint8_t* packed) const {
+    uint64_t bits;
+#if defined(CPU_CAPABILITY_AVX512)
+    if constexpr (kBits == 1) {
+      bits = _mm512_cmp_ps_mask(x, thresholds_[0], _CMP_GT_OQ);
+    } else {
+      __m512i count = _mm512_setzero_si512();
+      const __m512i one = _mm512_set1_epi32(1);
+      for (int t = 0; t < Packing<kBits>::kThresholds; ++t) {
+        count = _mm512_mask_add_epi32(count, _mm512_cmp_ps_mask(x, thresholds_[t], _CMP_GT_OQ), count, one);
+      }
+      // one code per byte, then each word of 8/kBits bytes packed into its low byte (as pack_word)
+      const __m128i codes = _mm512_cvtepi32_epi8(count);
+      if constexpr (kBits == 2) {
+        __m128i word = _mm_or_si128(codes, _mm_srli_epi32(codes, 6));
+        word = _mm_or_si128(word, _mm_srli_epi32(word, 12));
+        bits = static_cast<uint32_t>(_mm_cvtsi128_si32(_mm_cvtepi32_epi8(word)));
+      } else {
+        bits = static_cast<uint64_t>(_mm_cvtsi128_si64(_mm_cvtepi16_epi8(_mm_or_si128(codes, _mm_srli_epi16(codes, 4)))));
+      }
+    }
+#else
+    if constexpr (kBits == 1) {
+      bits = static_cast<uint32_t>(_mm256_movemask_ps(_mm256_cmp_ps(x, thresholds_[0], _CMP_GT_OQ)));
+    } else {
+      __m256i count = _mm256_setzero_si256();  // minus the all-ones compare masks
+      for (int t = 0; t < Packing<kBits>::kThresholds; ++t) {
+        count = _mm256_sub_epi32(count, _mm256_castps_si256(_mm256_cmp_ps(x, thresholds_[t], _CMP_GT_OQ)));
+      }
+      const __m256i placed = _mm256_sllv_epi32(count, shift_);
+      __m128i word = _mm_or_si128(_mm256_castsi256_si128(placed), _mm256_extracti128_si256(placed, 1));
+      word = _mm_or_si128(word, _mm_shuffle_epi32(word, 0x4E));
+      word = _mm_or_si128(word, _mm_shuffle_epi32(word, 0xB1));
+      bits = static_cast<uint32_t>(_mm_cvtsi128_si32(word));
+    }
+#endif
+    std::memcpy(packed, &bits, kBytes);
+  }
+
+ private:
+  Vectorized<float> thresholds_[Packing<kBits>::kThresholds];
+#if !defined(CPU_CAPABILITY_AVX512)
+  __m256i shift_;
+#endif
+};
+
+// Packed codes of float, half and bfloat16 elements in one pass over x, straight from registers. Tasks
+// cover whole vectors of T; the last one has the tail.
+template <int kBits, typename T>
+void act_codes_vectorized(const T* x, int64_t numel, const float* thresholds, uint8_t* packed) {
+  using fVec = Vectorized<float>;
+  constexpr int64_t kStep = std::is_same_v<T, float> ? fVec::size() : 2 * fVec::size();
+  constexpr int P = Packing<kBits>::kPerByte;
+  const VecCodes<kBits> codes_of(thresholds);
+  const auto byte_of = [&](int64_t i) { return packed + i * kBits / 8; };
+  at::parallel_for(0, (numel + kStep - 1) / kStep, 4096 / kStep, [&](int64_t begin, int64_t end) {
+    const int64_t last = std::min(numel, end * kStep);
+    int64_t i = begin * kStep;
+    for (; i + kStep <= last; i += kStep) {
+      if constexpr (std::is_same_v<T, float>) {
+        codes_of(fVec::loadu(x + i), byte_of(i));
+      } else {
+        auto [x0, x1] = at::vec::convert_to_float<T>(Vectorized<T>::loadu(x + i));
+        codes_of(x0, byte_of(i));
+        codes_of(x1, byte_of(i + fVec::size()));
+      }
+    }
+    if (i < last) {  // the tail's bytes, a partial last byte padded with zero codes
+      for (int64_t j = i / P; j * P < last; ++j) {
+        uint8_t byte = 0;
+        for (int slot = 0; slot < P && j * P + slot < last; ++slot) {
+          byte |= static_cast<uint8_t>(step_code<kBits>(static_cast<float>(x[j * P + slot]), thresholds) << (kBits * slot));
+        }
+        packed[j] = byte;
+      }
+    }
+  });
+}
+
+// out = grad * level(code) for float, half and bfloat16, levels looked up in registers (no table in memory,
+// no staging): one pass as cheap as a multiply. Tasks cover whole vectors of T; the last one has the tail.
+template <int kBits, typename T>
+void step_scale_vectorized(const T* grad, const uint8_t* packed, int64_t numel, const float* levels, T* out) {
+  using fVec = Vectorized<float>;
+  constexpr int64_t kStep = std::is_same_v<T, float> ? fVec::size() : 2 * fVec::size();
+  const VecLevels<kBits> level_of_codes(levels);
+  const auto byte_of = [&](int64_t i) { return packed + i * kBits / 8; };
+  at::parallel_for(0, (numel + kStep - 1) / kStep, 2048 / kStep, [&](int64_t begin, int64_t end) {
+    const int64_t last = std::min(numel, end * kStep);
+    int64_t i = begin * kStep;
+    for (; i + kStep <= last; i += kStep) {
+      if constexpr (std::is_same_v<T, float>) {
+        (fVec::loadu(grad + i) * level_of_codes(byte_of(i))).store(out + i);
+      } else {
+        auto [g0, g1] = at::vec::convert_to_float<T>(Vectorized<T>::loadu(grad + i));
+        const fVec l0 = level_of_codes(byte_of(i)), l1 = level_of_codes(byte_of(i + fVec::size()));
+        at::vec::convert_from_float<T>(g0 * l0, g1 * l1).store(out + i);
+      }
+    }
+    for (; i < last; ++i) {
+      out[i] = static_cast<T>(static_cast<float>(grad[i]) * levels[unpack<kBits>(packed[i / Packing<kBits>::kPerByte], i % Packing<kBits>::kPerByte)]);
+    }
+  });
+}
+#endif
+
+// Codes of P consecutive elements, one per byte of a little-endian word (each < 2^kBits), packed into
+// one byte: element s lands in bits kBits*s. Shift-or steps move byte s's code down by (8 - kBits)*s
+// bits; nothing overlaps since every code fits its field. Plain integer ops, so the loop vectorizes.
+template <int kBits>
+inline uint8_t pack_word(const uint8_t* codes) {
+  constexpr int P = Packing<kBits>::kPerByte;
+  using word_t = std::conditional_t<P == 8, uint64_t, std::conditional_t<P == 4, uint32_t, uint16_t>>;
+  word_t w;
+  std::memcpy(&w, codes, sizeof(w));
+  for (int step = 1, shift = 8 - kBits; step < P; step *= 2, shift *= 2) w |= w >> shift;
+  return static_cast<uint8_t>(w);
+}
+
 // Packed codes of elements [first, last) of x, first a multiple of 8/kBits: bytes first/p ..
 // ceil(last/p) - 1 of `packed`, a partial last byte padded with zero codes. Staged through L1-sized
-// fp32 blocks: convert, one byte-per-element code pass (vectorized compares), one packing pass.
+// blocks (converted to fp32 when narrower): a code pass and a packing pass, both plain loops over
+// __restrict arrays that the compiler vectorizes (memory-bound: as fast as reading x once).
 template <int kBits, typename T>
-void codes_span(const T* x, int64_t first, int64_t last, const at::opmath_type<T>* thresholds, uint8_t* packed) {
+void codes_span(const T* x, int64_t first, int64_t last, const at::opmath_type<T>* thresholds_in, uint8_t* packed) {
   using acc_t = at::opmath_type<T>;
-  using Vec = Vectorized<acc_t>;
   constexpr int P = Packing<kBits>::kPerByte;
   constexpr int64_t kBlock = 4096;
   alignas(64) std::array<acc_t, kBlock> buf;
   alignas(64) std::array<uint8_t, kBlock + 8> codes;
-  Vec vt[Packing<kBits>::kThresholds];
-  for (int t = 0; t < Packing<kBits>::kThresholds; ++t) vt[t] = Vec(thresholds[t]);
-  const Vec one(acc_t(1));
+  acc_t thresholds[Packing<kBits>::kThresholds];  // local: the compares vectorize
+  for (int t = 0; t < Packing<kBits>::kThresholds; ++t) thresholds[t] = thresholds_in[t];
   for (int64_t s = first; s < last; s += kBlock) {
     const int64_t n = std::min(kBlock, last - s);
-    const acc_t* xa = as_acc(x + s, buf.data(), n);
-    int64_t i = 0;
-    // Vectorized: the count of exceeded thresholds as a float sum of (x > t) & 1, then to bytes.
-    alignas(64) acc_t counts[Vec::size()];
-    for (; i + Vec::size() <= n; i += Vec::size()) {
-      const Vec v = Vec::loadu(xa + i);
-      Vec count(acc_t(0));
-      for (int t = 0; t < Packing<kBits>::kThresholds; ++t) count = count + (Vec(v > vt[t]) & one);
-      count.store(counts);
-      for (int l = 0; l < Vec::size(); ++l) codes[i + l] = static_cast<uint8_t>(counts[l]);
-    }
-    for (; i < n; ++i) codes[i] = step_code<kBits>(xa[i], thresholds);
+    const acc_t* __restrict xa = as_acc(x + s, buf.data(), n);
+    uint8_t* __restrict c = codes.data();
+    for (int64_t i = 0; i < n; ++i) c[i] = step_code<kBits>(xa[i], thresholds);
     const int64_t bytes = (n + P - 1) / P;
-    for (int64_t k = n; k < bytes * P; ++k) codes[k] = 0;
+    for (int64_t k = n; k < bytes * P; ++k) c[k] = 0;
     uint8_t* __restrict out = packed + s / P;
-    const uint8_t* __restrict c = codes.data();
-    for (int64_t j = 0; j < bytes; ++j) out[j] = pack_byte<kBits>(c + P * j);
+    for (int64_t j = 0; j < bytes; ++j) out[j] = pack_word<kBits>(c + P * j);
   }
 }
 
 template <int kBits, typename T>
 void act_codes_kernel(const T* x, int64_t numel, const at::opmath_type<T>* thresholds, uint8_t* packed) {
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+  if constexpr (std::is_same_v<at::opmath_type<T>, float>) {
+    act_codes_vectorized<kBits>(x, numel, thresholds, packed);
+    return;
+  }
+#endif
   constexpr int P = Packing<kBits>::kPerByte;
   const int64_t bytes = (numel + P - 1) / P;
   at::parallel_for(0, bytes, 2048, [&](int64_t begin, int64_t end) {
@@ -131,26 +324,32 @@ void act_codes_kernel(const T* x, int64_t numel, const at::opmath_type<T>* thres
   });
 }
 
-// Byte-per-element codes of `bytes` packed bytes; __restrict lets the compiler vectorize the shuffle.
-template <int kBits>
-void unpack_block(const uint8_t* __restrict packed, int64_t bytes, uint8_t* __restrict codes) {
-  constexpr int P = Packing<kBits>::kPerByte;
-  for (int64_t j = 0; j < bytes; ++j) {
-    for (int slot = 0; slot < P; ++slot) codes[P * j + slot] = unpack<kBits>(packed[j], slot);
+// out = grad * level(code), through a table of the P levels of every byte value (8 KiB at most, in
+// L1): one contiguous load of P levels per packed byte, no unpacking pass, no per-element select.
+template <int kBits, typename acc_t>
+struct ByteLevels {
+  static constexpr int P = Packing<kBits>::kPerByte;
+  alignas(64) acc_t table[256 * P];
+
+  explicit ByteLevels(const acc_t* levels) {
+    for (int byte = 0; byte < 256; ++byte) {
+      for (int slot = 0; slot < P; ++slot) table[P * byte + slot] = levels[unpack<kBits>(byte, slot)];
+    }
   }
-}
+};
 
 template <int kBits, typename acc_t>
-void scale_block(const acc_t* __restrict grad, const uint8_t* __restrict codes, int64_t n, const acc_t* levels_in,
-                 acc_t* __restrict out) {
-  acc_t levels[Packing<kBits>::kLevels];  // local: the selects vectorize
-  for (int k = 0; k < Packing<kBits>::kLevels; ++k) levels[k] = levels_in[k];
-  if constexpr (kBits == 4) {
-    for (int64_t i = 0; i < n; ++i) out[i] = grad[i] * levels[codes[i]];  // 16 levels: a table lookup
-  } else {
-    for (int64_t i = 0; i < n; ++i) out[i] = grad[i] * level_of<kBits>(codes[i], levels);
+void scale_block(const acc_t* __restrict grad, const uint8_t* __restrict packed, int64_t n,
+                 const ByteLevels<kBits, acc_t>& lut, acc_t* __restrict out) {
+  constexpr int P = Packing<kBits>::kPerByte;
+  const int64_t full = n / P;
+  for (int64_t j = 0; j < full; ++j) {
+    const acc_t* __restrict level = lut.table + P * packed[j];
+    for (int slot = 0; slot < P; ++slot) out[P * j + slot] = grad[P * j + slot] * level[slot];
   }
+  for (int64_t i = P * full; i < n; ++i) out[i] = grad[i] * lut.table[P * packed[full] + i - P * full];
 }
+
 
 template <int kBits, typename T>
 void step_scale_kernel(const T* grad, const uint8_t* packed, int64_t numel, const double* levels_in, int64_t count,
@@ -159,18 +358,23 @@ void step_scale_kernel(const T* grad, const uint8_t* packed, int64_t numel, cons
   constexpr int P = Packing<kBits>::kPerByte;
   acc_t levels[Packing<kBits>::kLevels];
   for (int k = 0; k < Packing<kBits>::kLevels; ++k) levels[k] = acc_t(levels_in[std::min<int64_t>(k, count - 1)]);
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+  if constexpr (std::is_same_v<acc_t, float>) {
+    step_scale_vectorized<kBits>(grad, packed, numel, levels, out);
+    return;
+  }
+#endif
+  const ByteLevels<kBits, acc_t> lut(levels);
   const int64_t bytes = (numel + P - 1) / P;
   constexpr int64_t kBlockBytes = 4096 / P;
   at::parallel_for(0, bytes, kBlockBytes, [&](int64_t begin, int64_t end) {
     alignas(64) std::array<acc_t, 4096> buf;
-    alignas(64) std::array<uint8_t, 4096> codes;
     for (int64_t b0 = begin; b0 < end; b0 += kBlockBytes) {
       const int64_t nb = std::min(kBlockBytes, end - b0);
       const int64_t ne = std::min(P * nb, numel - P * b0);
-      unpack_block<kBits>(packed + b0, nb, codes.data());
       const acc_t* g = as_acc(grad + P * b0, buf.data(), ne);
       acc_t* result = std::is_same_v<T, acc_t> ? reinterpret_cast<acc_t*>(out + P * b0) : buf.data();
-      scale_block<kBits>(g, codes.data(), ne, levels, result);
+      scale_block<kBits>(g, packed + b0, ne, lut, result);
       if constexpr (!std::is_same_v<T, acc_t>) at::vec::convert(result, out + P * b0, ne);
     }
   });

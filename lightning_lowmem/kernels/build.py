@@ -57,8 +57,14 @@ CSRC = source_dir()
 
 
 def cpu_flags() -> list[str]:
-    """AVX2 code (ATen's Vectorized AVX2 path) where the CPU has it, portable code otherwise."""
-    if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
+    """Code for the capability ATen runs at (its Vectorized AVX512 or AVX2 path; ``ATEN_CPU_CAPABILITY``
+    lowers it), portable code otherwise. The capability is part of the cache key, so a cache shared by
+    machines of different CPUs never loads code one of them cannot run."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability == "AVX512":
+        isa = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"]
+        return [*isa, "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"]
+    if capability == "AVX2":
         return ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
     return []
 
@@ -72,8 +78,14 @@ def cuda_archs() -> str:
     return ";".join(f"{major}.{minor}" for major, minor in sorted(capabilities))
 
 
+def compiler_flags(kind: str) -> tuple[list[str], list[str]]:
+    """The C++ and CUDA flags of a ``kind`` build."""
+    return ["-O3", *(cpu_flags() if kind == "cpu" else [])], ["-O3", "-DLOWMEM_CUDA"]
+
+
 def source_hash(kind: str) -> str:
-    digest = hashlib.sha256()
+    """Hash of what the build is made of: the sources and the compiler flags."""
+    digest = hashlib.sha256(repr(compiler_flags(kind)).encode())
     for name in sorted({*SOURCES[kind], *HEADERS}):
         digest.update(name.encode() + b"\0" + (CSRC / name).read_bytes())
     return digest.hexdigest()[:16]
@@ -192,12 +204,13 @@ def _compile_into(directory: Path, kind: str, verbose: bool) -> Path:
 
     print(f"lightning_lowmem: compiling the {kind} kernels into {directory} (about a minute)", file=sys.stderr)
     staging = Path(tempfile.mkdtemp(prefix=f"{directory.name}.staging-", dir=directory.parent))
+    cflags, cuda_cflags = compiler_flags(kind)
     try:
         cpp_extension.load(
             name=library_name(kind).removesuffix(".so"),
             sources=[str(CSRC / s) for s in SOURCES[kind]],
-            extra_cflags=["-O3", *(cpu_flags() if kind == "cpu" else [])],
-            extra_cuda_cflags=["-O3", "-DLOWMEM_CUDA"],
+            extra_cflags=cflags,
+            extra_cuda_cflags=cuda_cflags,
             extra_include_paths=[str(CSRC)],
             build_directory=str(staging),
             with_cuda=kind == "cuda",
