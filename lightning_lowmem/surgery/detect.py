@@ -141,11 +141,13 @@ def fused_gated_mlp(stock: nn.Module, layout: GatedLayout) -> GatedMLPBase:
     if parameter is None or not isinstance(getattr(first, "in_features", None), int):
         raise NotConvertible("its first projection is not a linear layer")
     new = layout.build(stock, activation)
-    x = torch.randn(2, 3, first.in_features, dtype=parameter.dtype, device=parameter.device)
+    # a quantized projection (bitsandbytes) stores integers: probe in a floating dtype it computes in
+    dtype = next((p.dtype for p in first.parameters() if p.is_floating_point()), torch.get_default_dtype())
+    x = torch.randn(2, 3, first.in_features, dtype=dtype, device=parameter.device)
     flags = [(m, m.training) for m in stock.modules()]
     try:
         stock.eval()
-        with torch.no_grad():
+        with torch.no_grad(), torch.autocast(x.device.type, enabled=False):  # what it computes, not in which precision
             same = torch.allclose(new(x), stock(x), rtol=1e-4, atol=1e-5)
     except Exception as err:  # noqa: BLE001 - any failure means: not the stock layout's computation
         raise NotConvertible(f"probe call failed ({type(err).__name__})") from None
