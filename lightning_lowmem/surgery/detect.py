@@ -12,6 +12,7 @@ entry of the activation registry.
 from __future__ import annotations
 
 import re
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
@@ -194,6 +195,14 @@ class LinearLayers:
         if key not in self._verdicts:
             self._verdicts[key] = _probe_linear(module, weight, bias)
         return self._verdicts[key]
+
+
+def is_frozen_4bit_linear(module: nn.Module) -> bool:
+    """A bitsandbytes ``Linear4bit`` (QLoRA's frozen nf4/fp4 base layer): its autograd function keeps only the
+    quantized weight for backward (bitsandbytes >= 0.44), so it reads a norm's output saving nothing, as a frozen
+    ``nn.Linear`` does. Not ``Linear8bitLt``: its function keeps its input (as a ``ctx`` attribute)."""
+    bnb = sys.modules.get("bitsandbytes")  # not imported: no module is one
+    return bnb is not None and isinstance(module, bnb.nn.Linear4bit)
 
 
 def _probe_linear(module: nn.Module, weight: torch.Tensor, bias: torch.Tensor | None) -> LinearKind | None:
