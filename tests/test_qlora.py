@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import warnings
 
 import pytest
 import torch
@@ -45,13 +44,6 @@ def qlora_llama(tmp_path, bits: int = 4, targets: list[str] = ALL_LINEARS) -> nn
         if "lora_B" in name:
             nn.init.normal_(param, std=0.02)
     return model
-
-
-@pytest.fixture(autouse=True)
-def _quiet_int8():
-    with warnings.catch_warnings():  # bitsandbytes' int8 CPU path warns of its fp16 cast on every call
-        warnings.filterwarnings("ignore", message="MatMul8bitLt")
-        yield
 
 
 def tokens() -> torch.Tensor:
