@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from benchmarks import qlora
+from benchmarks.qlora import ALL_LINEARS, bf16, held_bytes
 from lightning_lowmem.memory import SavedTensorMeter
 from lightning_lowmem.nn import GatedMLP, MemorySharingNorm
 from lightning_lowmem.surgery import apply_lowmem
@@ -18,40 +20,17 @@ peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
 LAYERS, HIDDEN, INTERMEDIATE, RANK = 2, 64, 128, 8
-ALL_LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 PREFIX = "base_model.model.model."
 
 
 def qlora_llama(tmp_path, bits: int = 4, targets: list[str] = ALL_LINEARS) -> nn.Module:
-    """A random LLaMA loaded the QLoRA way: quantized by transformers' BitsAndBytesConfig, prepared for k-bit
-    training (norms, embeddings and head in fp32), LoRA r=8 on ``targets`` (random B, so LoRA changes the function)."""
-    config = transformers.LlamaConfig(
-        vocab_size=128, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=LAYERS,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-    )  # fmt: skip
-    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)
-    if bits == 4:
-        quantization = transformers.BitsAndBytesConfig(
-            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16
-        )
-    else:
-        quantization = transformers.BitsAndBytesConfig(load_in_8bit=True)
-    model = transformers.LlamaForCausalLM.from_pretrained(tmp_path, quantization_config=quantization, device_map="cpu")
-    model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
-    lora = peft.LoraConfig(r=RANK, lora_alpha=16, lora_dropout=0.0, target_modules=targets)
-    model = peft.get_peft_model(model, lora)
-    for name, param in model.named_parameters():
-        if "lora_B" in name:
-            nn.init.normal_(param, std=0.02)
-    return model
+    return qlora.qlora_llama(
+        tmp_path, HIDDEN, INTERMEDIATE, heads=4, layers=LAYERS, rank=RANK, bits=bits, targets=targets
+    )
 
 
 def tokens() -> torch.Tensor:
     return torch.randint(0, 128, (2, 16))
-
-
-def bf16():
-    return torch.autocast("cpu", dtype=torch.bfloat16)
 
 
 def converted(stock: nn.Module, x: torch.Tensor):
@@ -72,33 +51,6 @@ def logits(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
     return F.cosine_similarity(a.flatten().double(), b.flatten().double(), dim=0).item()
-
-
-def held_bytes(model: nn.Module, x: torch.Tensor) -> int:
-    """Bytes a training forward keeps for backward: tensors saved through autograd, and those bitsandbytes'
-    autograd functions keep as ``ctx`` attributes, which saved-tensor hooks (and so SavedTensorMeter) never see.
-    Each storage once; parameters excluded."""
-    storages: dict[int, int] = {}
-
-    def keep(t: torch.Tensor) -> None:
-        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-
-    model.train()
-    with bf16(), torch.autograd.graph.saved_tensors_hooks(lambda t: keep(t) or t, lambda t: t):
-        out = model(x).logits
-    seen, stack = set(), [out.grad_fn]
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        for value in getattr(node, "__dict__", {}).values():  # a Python autograd function's ctx
-            for t in value if isinstance(value, (list, tuple)) else (value,):
-                if isinstance(t, torch.Tensor):
-                    keep(t)
-        stack.extend(next_node for next_node, _ in node.next_functions)
-    parameters = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
-    return sum(nbytes for ptr, nbytes in storages.items() if ptr not in parameters)
 
 
 def test_qlora_nf4_converts_norms_fuses_mlps_and_saves_a_quarter_less(tmp_path):
