@@ -154,7 +154,11 @@ def main() -> None:
         "transformers' `BitsAndBytesConfig` (nf4 with bf16 compute, or LLM.int8), `prepare_model_for_kbit_training`, "
         f'peft LoRA r={rank} on every linear layer. What one training forward keeps for backward; "held" also '
         "counts the tensors bitsandbytes' autograd functions keep as `ctx` attributes (int8 keeps its input; "
-        "nf4 only its weight), which saved-tensor hooks do not see.\n\n" + table
+        "nf4 only its weight), which saved-tensor hooks do not see. Where the stock bytes come from: "
+        "`prepare_model_for_kbit_training` keeps the norms in fp32, so under autocast each LoRA A adapter saves its own "
+        "bf16 copy of a norm's output, and bitsandbytes' layers return their input's dtype, so the MLP's gate and up "
+        "stay fp32; a memory-sharing norm returns the compute dtype and its LoRA A adapters save its one `z`.\n\n"
+        + table
     )
     write_section("qlora", body, "python benchmarks/qlora.py")
 
