@@ -16,6 +16,7 @@ SMOKE = {
     "parity.py": ["--smoke"],
     "gated_mlp.py": ["--smoke"],
     "budget.py": ["--smoke"],
+    "qlora.py": ["--smoke"],
 }
 
 

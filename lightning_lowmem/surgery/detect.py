@@ -12,6 +12,7 @@ entry of the activation registry.
 from __future__ import annotations
 
 import re
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
@@ -141,11 +142,13 @@ def fused_gated_mlp(stock: nn.Module, layout: GatedLayout) -> GatedMLPBase:
     if parameter is None or not isinstance(getattr(first, "in_features", None), int):
         raise NotConvertible("its first projection is not a linear layer")
     new = layout.build(stock, activation)
-    x = torch.randn(2, 3, first.in_features, dtype=parameter.dtype, device=parameter.device)
+    # a quantized projection (bitsandbytes) stores integers: probe in a floating dtype it computes in
+    dtype = next((p.dtype for p in first.parameters() if p.is_floating_point()), torch.get_default_dtype())
+    x = torch.randn(2, 3, first.in_features, dtype=dtype, device=parameter.device)
     flags = [(m, m.training) for m in stock.modules()]
     try:
         stock.eval()
-        with torch.no_grad():
+        with torch.no_grad(), torch.autocast(x.device.type, enabled=False):  # what it computes, not in which precision
             same = torch.allclose(new(x), stock(x), rtol=1e-4, atol=1e-5)
     except Exception as err:  # noqa: BLE001 - any failure means: not the stock layout's computation
         raise NotConvertible(f"probe call failed ({type(err).__name__})") from None
@@ -192,6 +195,14 @@ class LinearLayers:
         if key not in self._verdicts:
             self._verdicts[key] = _probe_linear(module, weight, bias)
         return self._verdicts[key]
+
+
+def is_frozen_4bit_linear(module: nn.Module) -> bool:
+    """A bitsandbytes ``Linear4bit`` (QLoRA's frozen nf4/fp4 base layer): its autograd function keeps only the
+    quantized weight for backward (bitsandbytes >= 0.44), so it reads a norm's output saving nothing, as a frozen
+    ``nn.Linear`` does. Not ``Linear8bitLt``: its function keeps its input (as a ``ctx`` attribute)."""
+    bnb = sys.modules.get("bitsandbytes")  # not imported: no module is one
+    return bnb is not None and isinstance(module, bnb.nn.Linear4bit)
 
 
 def _probe_linear(module: nn.Module, weight: torch.Tensor, bias: torch.Tensor | None) -> LinearKind | None:

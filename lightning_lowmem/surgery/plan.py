@@ -35,6 +35,7 @@ from lightning_lowmem.surgery.detect import (
     fused_gated_mlp,
     gated_layout,
     is_activation_candidate,
+    is_frozen_4bit_linear,
     is_norm_candidate,
     is_plain,
     norm_spec,
@@ -212,9 +213,11 @@ def _decide_consumers(
     """The linear layers reading ``norm``'s output that become its consumers, or the norm's reason to be left
     alone. A linear layer is called on the output, or its weight is used by ``F.linear`` on it in another
     module's forward (that module then shares through :func:`~lightning_lowmem.nn.linear.share_functional_linears`).
-    An excluded or hooked one stays stock and reads the stock output."""
+    An excluded or hooked one stays stock and reads the stock output. A frozen 4-bit linear (QLoRA's base layer)
+    is a consumer as it is: it saves nothing."""
     reads = flow.reads[norm]
-    called = [r.where for r in reads if r.op is None and r.where in linears]
+    reads_linearly = lambda where: where in linears or is_frozen_4bit_linear(named[where])
+    called = [r.where for r in reads if r.op is None and reads_linearly(r.where)]
     functional = [
         r for r in reads if r.op == "linear" and linears.get(r.weight_of) == "linear" and not options.excluded(r.where)
     ]

@@ -1,0 +1,149 @@
+"""QLoRA: surgery on a LLaMA-style model quantized by bitsandbytes (frozen nf4 / int8 base) with peft LoRA, on CPU."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from benchmarks import qlora
+from benchmarks.qlora import ALL_LINEARS, bf16, held_bytes
+from lightning_lowmem.memory import SavedTensorMeter
+from lightning_lowmem.nn import GatedMLP, MemorySharingNorm
+from lightning_lowmem.surgery import apply_lowmem
+
+bnb = pytest.importorskip("bitsandbytes", minversion="0.46", reason="QLoRA on CPU needs bitsandbytes >= 0.46")
+peft = pytest.importorskip("peft")
+transformers = pytest.importorskip("transformers")
+
+LAYERS, HIDDEN, INTERMEDIATE, RANK = 2, 64, 128, 8
+PREFIX = "base_model.model.model."
+
+
+def qlora_llama(tmp_path, bits: int = 4, targets: list[str] = ALL_LINEARS) -> nn.Module:
+    return qlora.qlora_llama(
+        tmp_path, HIDDEN, INTERMEDIATE, heads=4, layers=LAYERS, rank=RANK, bits=bits, targets=targets
+    )
+
+
+def tokens() -> torch.Tensor:
+    return torch.randint(0, 128, (2, 16))
+
+
+def converted(stock: nn.Module, x: torch.Tensor):
+    model = copy.deepcopy(stock)
+    with bf16():
+        report = apply_lowmem(model, example_input=x)
+    return model, report
+
+
+def norm_status(report) -> dict[str, str]:
+    return {e.name.removeprefix(PREFIX): e.status for e in report.entries if e.kind == "norm"}
+
+
+def logits(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad(), bf16():
+        return model.eval()(x).logits.float()
+
+
+def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    return F.cosine_similarity(a.flatten().double(), b.flatten().double(), dim=0).item()
+
+
+def test_qlora_nf4_converts_norms_fuses_mlps_and_saves_a_quarter_less(tmp_path):
+    stock, x = qlora_llama(tmp_path), tokens()
+    model, report = converted(stock, x)
+    assert set(norm_status(report).values()) == {"converted"}
+    assert len(norm_status(report)) == 2 * LAYERS + 1
+    assert sum(isinstance(m, MemorySharingNorm) for m in model.modules()) == 2 * LAYERS + 1
+    mlp = model.get_submodule(PREFIX + "layers.0.mlp")
+    assert isinstance(mlp, GatedMLP) and mlp.resolved_mode() == "gate"  # down_proj's LoRA A saves the product
+    assert isinstance(mlp.gate_proj.base_layer, bnb.nn.Linear4bit)  # the quantized layers stay as they are
+    torch.testing.assert_close(logits(model, x), logits(stock, x), rtol=1e-2, atol=1e-2 * logits(stock, x).abs().max())
+
+    assert report.saved_bytes_after <= 0.75 * report.saved_bytes_before
+    # MatMul4Bit keeps only the quantized weight: SavedTensorMeter sees everything either model holds
+    assert held_bytes(model, x) == report.saved_bytes_after
+    assert held_bytes(stock, x) == report.saved_bytes_before
+
+
+def test_qlora_nf4_saves_what_the_formula_says_outside_attention(tmp_path):
+    """Besides the attention core: each norm one bf16 ``z`` and an fp32 rstd per row (its LoRA A adapters and
+    frozen 4-bit layers add nothing; layer 0's input norm needs no rstd, its input being the frozen embedding,
+    and q_proj's LoRA A saves its ``z``), each MLP its gate and product, each LoRA B its r-wide input."""
+    stock, x = qlora_llama(tmp_path), tokens()
+    model = converted(stock, x)[0]
+    model.train()
+    with bf16(), SavedTensorMeter(model) as meter:
+        model(x)
+    rows = x.numel()
+    norms = (2 * LAYERS + 1) * (rows * HIDDEN * 2 + rows * 4) - rows * 4
+    mlps = LAYERS * 2 * rows * INTERMEDIATE * 2
+    lora_b = LAYERS * len(ALL_LINEARS) * rows * RANK * 2
+    outside_attention = sum(r.nbytes for r in meter.records if not r.module.endswith("self_attn"))
+    assert outside_attention == norms + mlps + lora_b
+
+
+def test_frozen_4bit_layers_without_lora_are_consumers(tmp_path):
+    """LoRA on q and v only: the MLP's norm is read by frozen 4-bit gate and up projections alone; they save
+    nothing, so the norm converts and saves its bf16 ``z`` instead of stock RMSNorm's fp32 tensors."""
+    stock, x = qlora_llama(tmp_path, targets=["q_proj", "v_proj"]), tokens()
+    model, report = converted(stock, x)
+    assert norm_status(report)["layers.0.post_attention_layernorm"] == "converted"
+    detail = next(e.detail for e in report.entries if e.name == PREFIX + "layers.0.post_attention_layernorm")
+    assert "mlp.gate_proj, mlp.up_proj" in detail
+    torch.testing.assert_close(logits(model, x), logits(stock, x), rtol=1e-2, atol=1e-2 * logits(stock, x).abs().max())
+    assert held_bytes(model, x) <= 0.75 * held_bytes(stock, x)
+
+
+def test_qlora_trains(tmp_path):
+    """A few AdamW steps under bf16 autocast: finite losses, nonzero LoRA gradients close to stock QLoRA's, the
+    quantized weights untouched."""
+    stock, x = qlora_llama(tmp_path), tokens()
+    model = converted(stock, x)[0]
+    quantized = model.get_submodule(PREFIX + "layers.0.mlp.up_proj.base_layer").weight.clone()
+
+    def lora_grads(m: nn.Module) -> dict[str, torch.Tensor]:
+        m.train()
+        m.zero_grad(set_to_none=True)
+        with bf16():
+            loss = m(x, labels=x).loss
+        loss.backward()
+        assert torch.isfinite(loss)
+        return {n: p.grad.clone() for n, p in m.named_parameters() if "lora_" in n}
+
+    ours, reference = lora_grads(model), lora_grads(stock)
+    assert ours.keys() == reference.keys() and len(ours) == 2 * 7 * LAYERS
+    for name, grad in ours.items():
+        assert grad.abs().sum() > 0, name
+        similarity = cosine(grad, reference[name])
+        assert similarity > 0.99, (name, similarity)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    losses = []
+    for _ in range(3):
+        optimizer.zero_grad()
+        with bf16():
+            loss = model(x, labels=x).loss
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
+    assert torch.equal(model.get_submodule(PREFIX + "layers.0.mlp.up_proj.base_layer").weight, quantized)
+
+
+def test_int8_qlora_converts_and_holds_less(tmp_path):
+    """Linear8bitLt keeps its input as a ``ctx`` attribute (outside saved-tensor hooks): it is no consumer, so
+    norms convert through the LoRA A adapters that share, and the count includes what it keeps."""
+    stock, x = qlora_llama(tmp_path, bits=8), tokens()
+    model, report = converted(stock, x)
+    assert set(norm_status(report).values()) == {"converted"}
+    assert isinstance(model.get_submodule(PREFIX + "layers.0.mlp"), GatedMLP)
+    # int8 computes in fp16 from the bf16 norm output (stock: from fp32): one more bf16 rounding
+    torch.testing.assert_close(logits(model, x), logits(stock, x), rtol=2e-2, atol=2e-2 * logits(stock, x).abs().max())
+    assert held_bytes(model, x) <= 0.75 * held_bytes(stock, x)
+    only_qv = qlora_llama(tmp_path, bits=8, targets=["q_proj", "v_proj"])
+    status = norm_status(converted(only_qv, x)[1])
+    assert status["layers.0.post_attention_layernorm"] == "left alone"  # read by int8 layers only
