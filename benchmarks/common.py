@@ -20,8 +20,17 @@ import torch
 RESULTS = Path(__file__).with_name("RESULTS.md")
 
 
+# The 1-minute load average when this process started, before it did any work of its own.
+LOAD_AT_START = os.getloadavg()[0]
+MAX_LOAD = 0.5  # machine-wide: above it, other processes share the cores and the memory bandwidth
+MAX_SPREAD = 0.05  # of a reference op's run-to-run times, (90th - 10th percentile) / median
+_timed = False  # whether this process took timings (a section of memory numbers needs no quiet machine)
+
+
 def interleaved_median(fns: dict[str, Callable[[], object]], repeats: int = 20, warmup: int = 3) -> dict[str, float]:
     """Median wall time (seconds) of each function, run round-robin so drift hits all alike."""
+    global _timed
+    _timed = True
     for _ in range(warmup):
         for fn in fns.values():
             fn()
@@ -38,13 +47,40 @@ def interleaved_median(fns: dict[str, Callable[[], object]], repeats: int = 20, 
     return {name: statistics.median(times) for name, times in samples.items()}
 
 
-def machine() -> str:
-    """One line naming the machine and the versions the numbers were taken with."""
+def reference_spread(repeats: int = 40) -> float:
+    """Run-to-run spread of a fixed memory-bound op (an add of two 16 MiB tensors), now."""
+    a, b = torch.ones(4 << 20), torch.ones(4 << 20)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.add(a, b)
+        times.append(time.perf_counter() - start)
+    deciles = statistics.quantiles(times, n=10)
+    return (deciles[-1] - deciles[0]) / statistics.median(times)
+
+
+def busy_reason(spread: float) -> str | None:
+    """Why CPU timings taken in this process cannot be trusted, or None (GPU timings are not checked)."""
+    if torch.cuda.is_available():
+        return None
+    if LOAD_AT_START > MAX_LOAD:
+        return f"the 1-minute load average was {LOAD_AT_START:.2f} when the benchmark started (quiet: <= {MAX_LOAD})"
+    if spread > MAX_SPREAD:
+        return f"a reference op's run-to-run spread is {spread:.0%} (quiet: <= {MAX_SPREAD:.0%})"
+    return None
+
+
+def machine(spread: float | None = None) -> str:
+    """One line naming the machine, the versions the numbers were taken with and, for timings, how quiet it was."""
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({os.cpu_count()} cores)"
-    return (
-        f"{device}, {platform.processor() or platform.machine()}, Python {sys.version.split()[0]}, "
+    line = (
+        f"{device}, {platform.processor() or platform.machine()}, ATen CPU capability "
+        f"{torch.backends.cpu.get_cpu_capability()}, Python {sys.version.split()[0]}, "
         f"torch {torch.__version__} ({torch.get_num_threads()} threads)"
     )
+    if spread is not None:
+        line += f", load {LOAD_AT_START:.2f} at start, reference spread {spread:.1%}"
+    return line
 
 
 def markdown_table(header: list[str], rows: list[list[object]]) -> str:
@@ -53,13 +89,22 @@ def markdown_table(header: list[str], rows: list[list[object]]) -> str:
     return "\n".join(lines)
 
 
-def write_section(key: str, body: str, command: str, path: Path = RESULTS) -> None:
-    """Replace (or append) the section ``key`` of ``path`` (RESULTS.md), stamped with machine and command."""
+def write_section(key: str, body: str, command: str, path: Path = RESULTS) -> bool:
+    """Replace (or append) the section ``key`` of ``path`` (RESULTS.md), stamped with machine and command.
+
+    A section with timings is refused, with the reason printed, when the machine was busy: numbers
+    taken under load do not reproduce. Returns whether the section was written."""
+    spread = reference_spread() if _timed else None
+    reason = busy_reason(spread) if spread is not None else None
+    if reason is not None:
+        print(f"not writing the {key!r} section of {path.name}: {reason}; rerun on a quiet machine", file=sys.stderr)
+        return False
     stamped = (
         f"<!-- {key}:begin -->\n{body.strip()}\n\n"
-        f"Machine: {machine()}. Date: {time.strftime('%Y-%m-%d')}. Command: `{command}`\n<!-- {key}:end -->"
+        f"Machine: {machine(spread)}. Date: {time.strftime('%Y-%m-%d')}. Command: `{command}`\n<!-- {key}:end -->"
     )
     text = path.read_text() if path.exists() else "# Benchmark results\n\nWritten by the scripts in `benchmarks/`.\n"
     pattern = re.compile(rf"<!-- {re.escape(key)}:begin -->.*?<!-- {re.escape(key)}:end -->", re.DOTALL)
     text = pattern.sub(lambda _: stamped, text) if pattern.search(text) else text.rstrip() + "\n\n" + stamped + "\n"
     path.write_text(text)
+    return True

@@ -28,3 +28,49 @@ def test_benchmark_smoke(script, monkeypatch, capsys):
     runpy.run_path(str(BENCHMARKS / script), run_name="__main__")
     assert "|---" in capsys.readouterr().out  # printed a table
     assert results.read_text() == before
+
+
+def _results(tmp_path: Path) -> Path:
+    path = tmp_path / "RESULTS.md"
+    path.write_text("# Benchmark results\n")
+    return path
+
+
+def test_timings_taken_on_a_busy_machine_are_not_written(tmp_path, monkeypatch, capsys):
+    from benchmarks import common
+
+    path = _results(tmp_path)
+    monkeypatch.setattr(common, "_timed", True)
+    monkeypatch.setattr(common, "LOAD_AT_START", 1.7)
+    assert not common.write_section("kernels", "| table |", "python -m benchmarks.kernels", path)
+    assert path.read_text() == "# Benchmark results\n"
+    assert "1-minute load average was 1.70" in capsys.readouterr().err
+    monkeypatch.setattr(common, "LOAD_AT_START", 0.1)
+    monkeypatch.setattr(common, "reference_spread", lambda: 0.3)  # another process came and went
+    assert not common.write_section("kernels", "| table |", "python -m benchmarks.kernels", path)
+    assert "spread is 30%" in capsys.readouterr().err
+
+
+def test_quiet_timings_are_stamped_with_capability_and_load(tmp_path, monkeypatch):
+    from benchmarks import common
+
+    if common.torch.cuda.is_available():
+        pytest.skip("GPU timings are not checked for CPU load")
+    path = _results(tmp_path)
+    monkeypatch.setattr(common, "_timed", True)
+    monkeypatch.setattr(common, "LOAD_AT_START", 0.12)
+    monkeypatch.setattr(common, "reference_spread", lambda: 0.021)
+    assert common.write_section("kernels", "| table |", "python -m benchmarks.kernels", path)
+    capability = common.torch.backends.cpu.get_cpu_capability()
+    assert f"ATen CPU capability {capability}" in path.read_text()
+    assert "load 0.12 at start, reference spread 2.1%" in path.read_text()
+
+
+def test_memory_numbers_need_no_quiet_machine(tmp_path, monkeypatch):
+    from benchmarks import common
+
+    path = _results(tmp_path)
+    monkeypatch.setattr(common, "_timed", False)
+    monkeypatch.setattr(common, "LOAD_AT_START", 5.0)
+    assert common.write_section("saved_bytes", "| table |", "python benchmarks/saved_bytes.py", path)
+    assert "| table |" in path.read_text() and "load" not in path.read_text()
