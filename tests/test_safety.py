@@ -200,6 +200,23 @@ def test_a_norm_the_ops_cannot_take_is_left_alone_with_its_reason():
     model(x).sum().backward()  # the model keeps working
 
 
+@pytest.mark.parametrize("root", ["GELU", "LayerNorm", "LlamaMLP"])
+def test_a_model_that_is_itself_a_candidate_is_reported_left_alone(root):
+    """Modules are replaced in their parent: the root has none, so it must not be reported converted."""
+    if root == "LlamaMLP":
+        from transformers.models.llama.modeling_llama import LlamaMLP
+
+        model = LlamaMLP(transformers.LlamaConfig(hidden_size=8, intermediate_size=16, num_attention_heads=2))
+    else:
+        model = getattr(nn, root)(8) if root == "LayerNorm" else nn.GELU()
+    kind = type(model)
+    report = apply_lowmem(model, example_input=torch.randn(3, 8))
+    assert report.status("") == "left alone" and "the model itself" in next(e.detail for e in report.entries)
+    assert type(model) is kind
+    # inside a gated MLP left alone, its activation module still converts like any other
+    assert [e.name for e in report.converted] == (["act_fn"] if root == "LlamaMLP" else [])
+
+
 # -- compiled models -------------------------------------------------------------------------
 def test_a_compiled_model_is_converted_through_the_module_it_compiles():
     model, x = Custom(), torch.randn(2, 4, 32)

@@ -145,6 +145,10 @@ def _already_converted(name: str, module: nn.Module) -> Entry | None:
     return None
 
 
+# Surgery replaces a module in its parent; the model itself has none to be replaced in.
+_ROOT = "the model itself: modules are replaced in their parent, so convert a model that contains it"
+
+
 def nominate(model: nn.Module, options: Options) -> Candidates:
     """Find and verify every candidate module; left-alone ones get their reason."""
     found = Candidates()
@@ -154,6 +158,9 @@ def nominate(model: nn.Module, options: Options) -> Candidates:
     for name, module in named.items():
         layout = gated_layout(module) if options.gated and options.selected(name) else None
         if layout is None:
+            continue
+        if module is model:
+            found.entries[name] = Entry(name, "gated MLP", type(module).__name__, "left alone", _ROOT)
             continue
         try:
             found.gated[name] = fused_gated_mlp(module, layout)
@@ -169,6 +176,9 @@ def nominate(model: nn.Module, options: Options) -> Candidates:
             found.entries[name] = done
         elif name in fused_activations or not options.selected(name):
             continue
+        elif module is model and (is_activation_candidate(module) or is_norm_candidate(module)):
+            kind = "activation" if is_activation_candidate(module) else "norm"
+            found.entries[name] = Entry(name, kind, type(module).__name__, "left alone", _ROOT)
         elif options.activation and is_activation_candidate(module):
             try:
                 found.activations[name] = activation_name(module)
