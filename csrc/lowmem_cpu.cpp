@@ -15,6 +15,7 @@
 #include <array>
 #include <cstring>
 #include <tuple>
+#include <utility>
 #include <type_traits>
 #include <vector>
 
@@ -387,6 +388,73 @@ int64_t row_grain(int64_t dim) { return std::max<int64_t>(1, 32768 / dim); }
 // a long row (11008 bf16 elements) staged whole would overflow L1 and cost a third memory pass.
 constexpr int64_t kChunk = 4096;  // a row of up to kChunk elements is staged once
 
+// 2 * Vectorized<float>::size() elements of float, half or bfloat16 as two fp32 vectors, and back.
+template <typename X>
+std::tuple<Vectorized<float>, Vectorized<float>> load_pair(const X* p) {
+  if constexpr (std::is_same_v<X, float>) {
+    return {Vectorized<float>::loadu(p), Vectorized<float>::loadu(p + Vectorized<float>::size())};
+  } else {
+    return at::vec::convert_to_float<X>(Vectorized<X>::loadu(p));
+  }
+}
+
+template <typename X>
+void store_pair(X* p, Vectorized<float> a, Vectorized<float> b) {
+  if constexpr (std::is_same_v<X, float>) {
+    a.store(p);
+    b.store(p + Vectorized<float>::size());
+  } else {
+    at::vec::convert_from_float<X>(a, b).store(p);
+  }
+}
+
+// norm_forward for fp32 math (float, half, bfloat16 tensors): narrow types widened in registers, no
+// staging buffers; the mean, then the centered sum of squares, then z, each pass over the row after the
+// first from cache.
+template <typename T, typename U>
+void norm_forward_float_kernel(const T* x, int64_t rows, int64_t dim, float eps, bool center, U* z, float* rstd) {
+  using fVec = Vectorized<float>;
+  constexpr int64_t kStep = 2 * fVec::size();
+  const auto lanes = [](fVec v) { return at::vec::vec_reduce_all([](fVec a, fVec b) { return a + b; }, v); };
+  at::parallel_for(0, rows, row_grain(dim), [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const T* xr = x + row * dim;
+      U* zr = z + row * dim;
+      float mean = 0.f;
+      if (center) {
+        fVec s0(0), s1(0);
+        int64_t i = 0;
+        for (; i + kStep <= dim; i += kStep) {
+          const auto [x0, x1] = load_pair(xr + i);
+          s0 += x0;
+          s1 += x1;
+        }
+        float total = lanes(s0 + s1);
+        for (; i < dim; ++i) total += static_cast<float>(xr[i]);
+        mean = total / float(dim);
+      }
+      const fVec vmean(mean);
+      fVec q0(0), q1(0);
+      int64_t i = 0;
+      for (; i + kStep <= dim; i += kStep) {
+        const auto [x0, x1] = load_pair(xr + i);
+        q0 += centered_square(x0, vmean);
+        q1 += centered_square(x1, vmean);
+      }
+      float m2 = lanes(q0 + q1);
+      for (; i < dim; ++i) m2 += centered_square(static_cast<float>(xr[i]), mean);
+      const float r = inverse_std(m2 / float(dim), eps);
+      rstd[row] = r;
+      const fVec vr(r);
+      for (i = 0; i + kStep <= dim; i += kStep) {
+        const auto [x0, x1] = load_pair(xr + i);
+        store_pair(zr + i, normalized(x0, vmean, vr), normalized(x1, vmean, vr));
+      }
+      for (; i < dim; ++i) zr[i] = static_cast<U>(normalized(static_cast<float>(xr[i]), mean, r));
+    }
+  });
+}
+
 template <typename T, typename U>
 void norm_forward_kernel(const T* x, int64_t rows, int64_t dim, double eps_in, bool center, U* z, at::opmath_type<T>* rstd) {
   using acc_t = at::opmath_type<T>;
@@ -428,6 +496,48 @@ void norm_forward_kernel(const T* x, int64_t rows, int64_t dim, double eps_in, b
           store(zr, i, normalized(load(xr, i, v), V(mean), V(r)));
         });
         if constexpr (!std::is_same_v<U, acc_t>) at::vec::convert(zr, z + row * dim + c0, n);
+      }
+    }
+  });
+}
+
+// norm_backward for fp32 math (float, half, bfloat16 tensors): narrow types widened in registers, no
+// staging buffers; two passes over each row (sums, then dx), the second from cache.
+template <typename U, typename T>
+void norm_backward_float_kernel(const U* grad, const U* z, const float* rstd, int64_t rows, int64_t dim, bool center,
+                                T* grad_input) {
+  using fVec = Vectorized<float>;
+  constexpr int64_t kStep = 2 * fVec::size();
+  at::parallel_for(0, rows, row_grain(dim), [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const U* g = grad + row * dim;
+      const U* zr = z + row * dim;
+      T* dx = grad_input + row * dim;
+      fVec sum_g0(0), sum_g1(0), sum_gz0(0), sum_gz1(0);
+      int64_t i = 0;
+      for (; i + kStep <= dim; i += kStep) {
+        const auto [g0, g1] = load_pair(g + i);
+        const auto [z0, z1] = load_pair(zr + i);
+        sum_g0 += g0;
+        sum_g1 += g1;
+        sum_gz0 = at::vec::fmadd(g0, z0, sum_gz0);
+        sum_gz1 = at::vec::fmadd(g1, z1, sum_gz1);
+      }
+      const auto lanes = [](fVec v) { return at::vec::vec_reduce_all([](fVec a, fVec b) { return a + b; }, v); };
+      float total_g = lanes(sum_g0 + sum_g1), total_gz = lanes(sum_gz0 + sum_gz1);
+      for (int64_t k = i; k < dim; ++k) {
+        total_g += static_cast<float>(g[k]);
+        total_gz += static_cast<float>(g[k]) * static_cast<float>(zr[k]);
+      }
+      const float mean_g = center ? total_g / float(dim) : 0.f, mean_gz = total_gz / float(dim), r = rstd[row];
+      const fVec vr(r), vmean_g(mean_g), vmean_gz(mean_gz);
+      for (i = 0; i + kStep <= dim; i += kStep) {
+        const auto [g0, g1] = load_pair(g + i);
+        const auto [z0, z1] = load_pair(zr + i);
+        store_pair(dx + i, norm_input_grad(g0, z0, vr, vmean_g, vmean_gz), norm_input_grad(g1, z1, vr, vmean_g, vmean_gz));
+      }
+      for (; i < dim; ++i) {
+        dx[i] = static_cast<T>(norm_input_grad(static_cast<float>(g[i]), static_cast<float>(zr[i]), r, mean_g, mean_gz));
       }
     }
   });
@@ -576,8 +686,13 @@ void norm_forward(const at::Tensor& x, int64_t dim, double eps, bool center, at:
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "norm_forward", [&] {
     using in_t = scalar_t;
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, z.scalar_type(), "norm_forward", [&] {
-      norm_forward_kernel(x.const_data_ptr<in_t>(), rstd.numel(), dim, eps, center, z.mutable_data_ptr<scalar_t>(),
-                          rstd.mutable_data_ptr<at::opmath_type<in_t>>());
+      if constexpr (std::is_same_v<at::opmath_type<in_t>, float> && std::is_same_v<at::opmath_type<scalar_t>, float>) {
+        norm_forward_float_kernel(x.const_data_ptr<in_t>(), rstd.numel(), dim, float(eps), center,
+                                  z.mutable_data_ptr<scalar_t>(), rstd.mutable_data_ptr<float>());
+      } else {
+        norm_forward_kernel(x.const_data_ptr<in_t>(), rstd.numel(), dim, eps, center, z.mutable_data_ptr<scalar_t>(),
+                            rstd.mutable_data_ptr<at::opmath_type<in_t>>());
+      }
     });
   });
 }
@@ -587,9 +702,14 @@ void norm_backward(const at::Tensor& grad, const at::Tensor& z, const at::Tensor
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, z.scalar_type(), "norm_backward", [&] {
     using out_t = scalar_t;
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad_input.scalar_type(), "norm_backward", [&] {
-      norm_backward_kernel(grad.const_data_ptr<out_t>(), z.const_data_ptr<out_t>(),
-                           rstd.const_data_ptr<at::opmath_type<out_t>>(), rstd.numel(), dim, center,
-                           grad_input.mutable_data_ptr<scalar_t>());
+      if constexpr (std::is_same_v<at::opmath_type<out_t>, float> && std::is_same_v<at::opmath_type<scalar_t>, float>) {
+        norm_backward_float_kernel(grad.const_data_ptr<out_t>(), z.const_data_ptr<out_t>(), rstd.const_data_ptr<float>(),
+                                   rstd.numel(), dim, center, grad_input.mutable_data_ptr<scalar_t>());
+      } else {
+        norm_backward_kernel(grad.const_data_ptr<out_t>(), z.const_data_ptr<out_t>(),
+                             rstd.const_data_ptr<at::opmath_type<out_t>>(), rstd.numel(), dim, center,
+                             grad_input.mutable_data_ptr<scalar_t>());
+      }
     });
   });
 }
