@@ -27,6 +27,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 from typing_extensions import Self, override
 
+from lightning_lowmem.memory.saved_tensors import observer
 from lightning_lowmem.nn import MemorySharingNorm
 
 _MIXED = Literal["16-mixed", "bf16-mixed"]
@@ -68,12 +69,16 @@ def cast_norm_outputs(module: nn.Module, dtype: torch.dtype | None) -> None:
         previous = _OUTPUT_HOOKS.pop(norm, None)
         if previous is not None:
             previous.remove()
-        # a partial of a module-level function: a converted model stays picklable
-        _OUTPUT_HOOKS[norm] = norm.register_forward_hook(partial(_output_to_compute_dtype, dtype))
+        # a partial of a module-level function: a converted model stays picklable. Marked as an observer:
+        # the surgery may replace the norm (at the first training forward, after this plugin's setup) by a
+        # memory-sharing norm, which returns the compute dtype itself
+        _OUTPUT_HOOKS[norm] = norm.register_forward_hook(observer(partial(_output_to_compute_dtype, dtype)))
 
 
 def _output_to_compute_dtype(dtype: torch.dtype | None, module: nn.Module, args: Any, output: Any) -> Any:
-    if not isinstance(output, Tensor) or not output.is_floating_point():
+    """Cast a floating output to the compute dtype; float64 is left alone, as autocast leaves it (and the
+    surgery's check of a norm runs it in float64)."""
+    if not isinstance(output, Tensor) or not output.is_floating_point() or output.dtype == torch.float64:
         return output
     if torch.is_autocast_enabled(output.device.type):
         dtype = torch.get_autocast_dtype(output.device.type)
