@@ -1,22 +1,35 @@
-"""Sharded training: FSDP2 (Lightning's ``ModelParallelStrategy``) in 2 gloo processes on CPU.
+"""Sharded training: FSDP2, FSDP, DeepSpeed.
 
-The user's ``configure_model`` calls ``fully_shard`` per block, as Lightning documents; ``LowMemBP`` and
-``LowMemPrecision`` are added and nothing else changes. One script runs the stock and the low-memory fit
-(and one converted on ``example_input_array``) in the same two processes; the tests read what it measured.
+FSDP2 (Lightning's ``ModelParallelStrategy``) runs in 2 gloo processes on CPU: the user's ``configure_model``
+calls ``fully_shard`` per block, as Lightning documents; ``LowMemBP`` and ``LowMemPrecision`` are added and
+nothing else changes. One script runs the stock and the low-memory fit (and one converted on
+``example_input_array``) in the same two processes; the tests read what it measured. Lightning runs
+``FSDPStrategy`` on GPUs only: here FSDP itself wraps a model with ``LowMemFSDPPrecision``'s config in a
+1-process group; the Lightning fit is GPU-marked. DeepSpeed is refused.
 """
 
 from __future__ import annotations
 
 import math
+import re
+from types import SimpleNamespace
 
 import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
 from conftest import run_ddp_script
+from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.nn.modules.batchnorm import _BatchNorm
 
+from lightning_lowmem import LowMemFSDPPrecision, LowMemPrecision
+from lightning_lowmem.lightning import LowMemBP
 from lightning_lowmem.memory import SavedTensorMeter
+from lightning_lowmem.nn import MemorySharingNorm
+from lightning_lowmem.surgery import apply_lowmem
 
 timm = pytest.importorskip("timm")
 
@@ -171,3 +184,159 @@ def test_fsdp2_gradients_match_one_process(fsdp2):
 
 def test_fsdp2_checkpoint_loads_into_the_stock_model(fsdp2):
     assert fsdp2["checkpoint_error"] < 1e-5
+
+
+@pytest.fixture
+def one_process_group():
+    """A 1-process gloo group, for FSDP and FSDP2 in this process (FSDP1 runs on CPU without Lightning)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+class Block(torch.nn.Module):
+    """A pre-norm block whose first norm feeds a linear (converted) and whose second feeds an add (stays stock)."""
+
+    def __init__(self, dim: int = 16) -> None:
+        super().__init__()
+        self.norm, self.fc, self.act, self.out_norm = (
+            nn.LayerNorm(dim),
+            nn.Linear(dim, dim),
+            nn.GELU(),
+            nn.LayerNorm(dim),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out_norm(self.act(self.fc(self.norm(x)))) + x
+
+
+def converted_blocks() -> tuple[nn.Module, torch.Tensor]:
+    model, x = nn.Sequential(Block(), Block()), torch.randn(4, 16)
+    report = apply_lowmem(model, example_input=x)
+    assert {e.name for e in report.converted} == {"0.norm", "0.act", "1.norm", "1.act"}
+    return model, x
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])
+def test_fsdp1_runs_stock_norms_in_fp32_units(one_process_group, precision):
+    """FSDP (FSDP1) on CPU with the plugin's config: stock norms are units of their own computing with fp32
+    parameters, the rest (memory-sharing norms included) computes with bf16 ones; forward and backward run."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    model, x = converted_blocks()
+    plugin = LowMemFSDPPrecision(precision)
+    plugin.convert_module(model)
+    config = plugin.mixed_precision_config
+    assert plugin.norm_classes == (nn.LayerNorm,) and set(config._module_classes_to_ignore) == {
+        _BatchNorm,
+        nn.LayerNorm,
+    }
+    assert config.param_dtype == torch.bfloat16
+    wrapped = FullyShardedDataParallel(
+        model, auto_wrap_policy=ModuleWrapPolicy({Block}), mixed_precision=config, use_orig_params=True,
+        device_id=torch.device("cpu"),
+    )  # fmt: skip
+    seen = {}
+    for name in ("0.norm", "0.fc", "0.out_norm"):
+        module = model.get_submodule(name)
+        module.register_forward_hook(lambda m, args, out, name=name: seen.update({name: (m.weight.dtype, out.dtype)}))
+    with plugin.forward_context():
+        out = wrapped(x.to(plugin._desired_input_dtype))
+    out.float().square().sum().backward()
+    half = torch.bfloat16
+    assert seen == {"0.norm": (half, half), "0.fc": (half, half), "0.out_norm": (torch.float32, half)}
+    assert isinstance(model[0].out_norm, FullyShardedDataParallel) and isinstance(model[0].norm, MemorySharingNorm)
+    assert all(p.grad is not None and p.grad.isfinite().all() for p in wrapped.parameters())
+
+
+def test_fsdp1_needs_an_auto_wrap_policy_for_stock_norms():
+    """FSDP splits the norms off only while auto-wrapping: setup says so when the strategy has no policy."""
+    model = Attached(FSDPStrategy())
+    with pytest.raises(MisconfigurationException, match=r"2 stock norms \(LayerNorm\).*auto_wrap_policy"):
+        LowMemFSDPPrecision("bf16-mixed").convert_module(model)
+    LowMemFSDPPrecision("bf16-mixed").convert_module(Attached(FSDPStrategy(auto_wrap_policy={nn.Sequential})))
+    LowMemFSDPPrecision("32-true").convert_module(model)  # nothing to split off in fp32
+
+
+def test_fsdp_strategy_accepts_the_fsdp_plugin():
+    strategy = FSDPStrategy()
+    strategy.precision_plugin = plugin = LowMemFSDPPrecision("bf16-mixed")
+    assert strategy.mixed_precision_config == plugin.mixed_precision_config
+    assert LowMemFSDPPrecision("16-mixed").scaler is not None and repr(plugin) == "LowMemFSDPPrecision('bf16-mixed')"
+
+
+def test_lowmem_bp_under_fsdp1_needs_example_input_array():
+    """FSDP flattens the parameters when it wraps the model: the conversion cannot wait for the first batch."""
+    model, callback = Attached(FSDPStrategy(auto_wrap_policy={nn.Sequential})), LowMemBP()
+    callback.setup(model._trainer, model, "fit")
+    with pytest.raises(MisconfigurationException, match="example_input_array.*ModelParallelStrategy"):
+        model.configure_model()
+
+
+def test_deepspeed_is_refused_at_setup():
+    """Without the deepspeed package (Lightning's class imports without it; its __init__ needs the package)."""
+    strategy = DeepSpeedStrategy.__new__(DeepSpeedStrategy)
+    model = Attached(strategy)
+    with pytest.raises(MisconfigurationException, match="LowMemBP does not support DeepSpeedStrategy.*FSDP2"):
+        LowMemBP().setup(model._trainer, model, "fit")
+    for plugin in (LowMemPrecision("bf16-mixed"), LowMemPrecision("bf16-true"), LowMemFSDPPrecision("bf16-mixed")):
+        with pytest.raises(MisconfigurationException, match=rf"{re.escape(repr(plugin))} does not support DeepSpeed"):
+            plugin.convert_module(model)
+
+
+def test_true_half_is_refused_under_fsdp2(one_process_group):
+    """FSDP2 shards a module's parameters in one dtype: fp32 norms beside bf16 layers cannot be sharded together."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = fully_shard(nn.Sequential(Block(), Block()), mesh=init_device_mesh("cpu", (1,)))
+    with pytest.raises(MisconfigurationException, match=r"one dtype; use LowMemPrecision\('bf16-mixed'\)"):
+        LowMemPrecision("bf16-true").convert_module(model)
+
+
+class Attached(pl.LightningModule):
+    """Two stock norms, attached to a stand-in Trainer holding ``strategy`` (what the plugins and the callback
+    read at setup), for strategies that cannot run here."""
+
+    def __init__(self, strategy) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 8), nn.LayerNorm(8))
+        self._trainer = SimpleNamespace(strategy=strategy, callbacks=[])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
+def test_fsdp1_trains_on_gpu(tmp_path):
+    """A real FSDPStrategy fit (Lightning runs FSDP on GPUs only): converted on example_input_array, then wrapped."""
+    model = FSDPViT()
+    callback = LowMemBP()
+    trainer = pl.Trainer(
+        accelerator="cuda", devices=1, strategy=FSDPStrategy(auto_wrap_policy={type(model.net.blocks[0])}),
+        plugins=[LowMemFSDPPrecision("bf16-mixed")], callbacks=[callback], max_steps=2, logger=False,
+        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, default_root_dir=tmp_path,
+    )  # fmt: skip
+    trainer.fit(model, torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*images()), batch_size=4))
+    assert [e.status for e in callback.report.entries] == ["converted"] * len(VIT_ENTRIES)
+    assert len(model.losses) == 2 and all(map(math.isfinite, model.losses))
+
+
+class FSDPViT(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = vit()
+        self.example_input_array = images(2)[0]
+        self.losses: list[float] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        loss = F.cross_entropy(self(batch[0]).float(), batch[1])
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
