@@ -107,7 +107,8 @@ def fit(model, lowmem):
     return trainer, callback.report
 
 def measured(model, report=None):
-    return {{"bytes": model.meters[-1].activation_bytes, "losses": model.losses,
+    meter = model.meters[-1]
+    return {{"bytes": meter.activation_bytes, "weight_copies": meter.weight_copy_bytes, "losses": model.losses,
              "entries": report and [[e.name, e.kind, e.status] for e in report.entries]}}
 
 torch.manual_seed(0)
@@ -173,6 +174,19 @@ def test_fsdp2_saves_fewer_activation_bytes(fsdp2):
     stock, lowmem = fsdp2["stock"]["bytes"], fsdp2["lowmem"]["bytes"]
     assert lowmem <= 0.7 * stock, (lowmem, stock)
     assert fsdp2["example"]["bytes"] == lowmem
+
+
+def test_fsdp2_meter_counts_as_without_sharding(fsdp2):
+    """SavedTensorMeter under FSDP2 (sharded DTensor parameters, gathered ones in the forward) counts what it
+    counts on the same model unsharded: activations, and autocast's weight copies apart."""
+    model, (inputs, labels) = vit(), images(4)
+    with torch.autocast("cpu", dtype=torch.bfloat16), SavedTensorMeter(model) as meter:
+        F.cross_entropy(model(inputs).float(), labels)
+    assert meter.weight_copy_bytes > 0
+    assert (fsdp2["stock"]["bytes"], fsdp2["stock"]["weight_copies"]) == (
+        meter.activation_bytes,
+        meter.weight_copy_bytes,
+    )
 
 
 def test_fsdp2_gradients_match_one_process(fsdp2):
