@@ -29,7 +29,7 @@ from lightning_lowmem import LowMemFSDPPrecision, LowMemPrecision
 from lightning_lowmem.lightning import LowMemBP
 from lightning_lowmem.memory import SavedTensorMeter
 from lightning_lowmem.nn import MemorySharingNorm
-from lightning_lowmem.surgery import apply_lowmem
+from lightning_lowmem.surgery import apply_lowmem, plan
 
 timm = pytest.importorskip("timm")
 
@@ -95,7 +95,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from test_fsdp import ShardedViT, images, vit
 from lightning_lowmem import LowMemPrecision
 from lightning_lowmem.lightning import LowMemBP
-from lightning_lowmem.surgery import apply_lowmem
+from lightning_lowmem.surgery import apply_lowmem, plan
 
 def fit(model, lowmem):
     callback = LowMemBP()
@@ -309,6 +309,38 @@ def test_true_half_is_refused_under_fsdp2(one_process_group):
     model = fully_shard(nn.Sequential(Block(), Block()), mesh=init_device_mesh("cpu", (1,)))
     with pytest.raises(MisconfigurationException, match=r"one dtype; use LowMemPrecision\('bf16-mixed'\)"):
         LowMemPrecision("bf16-true").convert_module(model)
+
+
+def test_fsdp2_state_dict_hooks_follow_the_replaced_modules(one_process_group):
+    """FSDP2 reshards a group before state_dict() (the root stays gathered after its forward) by hooks on the
+    modules holding its parameters: after the surgery replaced all of them, the hooks are on the new ones."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model, x = nn.Sequential(nn.LayerNorm(16), nn.Linear(16, 16)), torch.randn(4, 16)
+    fully_shard(model, mesh=init_device_mesh("cpu", (1,)), reshard_after_forward=False)
+
+    def sharded_state_dict() -> bool:
+        with torch.no_grad():
+            model(x)  # leaves the parameters gathered (a backward would reshard them)
+        return all(isinstance(value, DTensor) for value in model.state_dict().values())
+
+    plan(model, x)  # converts (its forwards run FSDP2's lazy init, which hooks the stock modules) and rolls back
+    assert isinstance(model[0], nn.LayerNorm) and sharded_state_dict()
+    report = apply_lowmem(model, example_input=x)
+    assert [(e.name, e.status) for e in report.entries] == [("0", "converted")] and sharded_state_dict()
+
+
+def test_fsdp2_replacement_must_hold_the_parameters(one_process_group):
+    """FSDP2 would gather into the replacement parameters it does not hold: the surgery refuses such a swap."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from lightning_lowmem.surgery.convert import Surgery
+
+    model = fully_shard(nn.Sequential(nn.Linear(4, 4)), mesh=init_device_mesh("cpu", (1,)))
+    with pytest.raises(RuntimeError, match="Linear does not hold Linear's parameter 'weight'"):
+        Surgery(model).replace(model[0], nn.Linear(4, 4))
 
 
 class Attached(pl.LightningModule):
