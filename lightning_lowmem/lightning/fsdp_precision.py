@@ -24,13 +24,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
 from typing_extensions import override
 
-from lightning_lowmem.lightning.precision import (
-    _TORCH_NORMS,
-    cast_except_norms,
-    is_stock_norm,
-    refuse_deepspeed,
-    strategy_of,
-)
+from lightning_lowmem.lightning.precision import cast_except_norms, is_stock_norm, refuse_deepspeed, strategy_of
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp import MixedPrecision
@@ -64,7 +58,7 @@ class LowMemFSDPPrecision(FSDPPrecision):
 
     def __init__(self, precision: _PRECISION_INPUT = "bf16-mixed", scaler: ShardedGradScaler | None = None) -> None:
         super().__init__(precision, scaler)
-        self.norm_classes: tuple[type[nn.Module], ...] = _TORCH_NORMS  # the model's, once convert_module saw it
+        self.norm_classes: tuple[type[nn.Module], ...] = ()  # the model's stock norm classes, set by convert_module
 
     @override
     def __repr__(self) -> str:

@@ -148,9 +148,10 @@ class LowMemPrecision(Precision):
     is then carried in the compute dtype up to the next norm, as it is under ``*-true``.
 
     Strategies: DDP, and FSDP2 (``ModelParallelStrategy`` with ``fully_shard`` in ``configure_model``) in
-    ``"bf16-mixed"`` (or ``"32-true"``): FSDP2 shards each module's parameters in one dtype, so the ``*-true``
-    modes, which would keep the norms' parameters fp32 beside half ones, are refused at setup. For ``FSDPStrategy`` use :class:`~lightning_lowmem.LowMemFSDPPrecision`
-    (Lightning requires an ``FSDPPrecision`` there). DeepSpeed is refused at setup; XLA requires its own plugin.
+    ``"bf16-mixed"`` (or ``"32-true"``): FSDP2 shards each module's parameters in one dtype, so the
+    ``*-true`` modes, which would keep the norms' parameters fp32 beside half ones, are refused at setup.
+    For ``FSDPStrategy`` use :class:`~lightning_lowmem.LowMemFSDPPrecision` (Lightning requires an
+    ``FSDPPrecision`` there). DeepSpeed is refused at setup; XLA requires its own plugin.
 
     Args:
         precision: one of ``"16-mixed"``, ``"bf16-mixed"``, ``"16-true"``, ``"bf16-true"``,

@@ -8,8 +8,12 @@ same names, so pointing those records at it is all FSDP2 needs: it then gathers 
 parameters of the new module. Its state-dict hooks (which reshard a group before ``state_dict()``)
 are re-registered on the modules the records name.
 
-These records are FSDP2's internals (``FSDPParam._module_info``, torch 2.4+): :func:`param_records`
-fails loudly if they change.
+At the first training forward the surgery runs in a forward pre-hook registered after FSDP2's own
+(which FSDP2 prepends): FSDP2 has then done its lazy init and gathered the root's parameters, and the
+surgery's own forwards (probe, check, measurement) go through FSDP2's hooks like any forward.
+
+These records are FSDP2's internals (``FSDPParam._module_info``, torch 2.4+; tested on the torch of
+the test environment): an attribute renamed in a later torch fails loudly here.
 """
 
 from __future__ import annotations
@@ -24,7 +28,11 @@ def param_groups(model: nn.Module) -> Iterator:
     """The FSDP2 parameter groups of the modules of ``model`` that ``fully_shard`` sharded."""
     for module in model.modules():
         if isinstance(module, FSDPModule):
-            yield from module._get_fsdp_state()._fsdp_param_groups
+            state = module._get_fsdp_state()
+            if hasattr(state, "_fsdp_param_groups"):  # newer torch: a group per mesh; older: at most one
+                yield from state._fsdp_param_groups
+            elif state._fsdp_param_group is not None:
+                yield state._fsdp_param_group
 
 
 def param_records(model: nn.Module) -> dict[int, list[tuple]]:
