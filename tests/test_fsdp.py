@@ -331,6 +331,37 @@ def test_fsdp2_state_dict_hooks_follow_the_replaced_modules(one_process_group):
     assert [(e.name, e.status) for e in report.entries] == [("0", "converted")] and sharded_state_dict()
 
 
+class NormToThree(nn.Module):
+    def __init__(self, dim: int = 16) -> None:
+        super().__init__()
+        self.norm, self.q, self.k, self.v = (
+            nn.LayerNorm(dim),
+            nn.Linear(dim, dim),
+            nn.Linear(dim, dim),
+            nn.Linear(dim, dim),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = self.norm(x)
+        return self.q(a) + self.k(a) + self.v(a)
+
+
+def test_fsdp2_stock_norm_output_is_shared(one_process_group, recorder):
+    """LowMemPrecision on an FSDP2 model, stock norm: fp32 parameters, output in the autocast dtype, one tensor
+    saved by its three consumer linears (not a half copy each)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model, x = NormToThree(), torch.randn(4, 16)
+    fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+    plugin = LowMemPrecision("bf16-mixed")
+    plugin.convert_module(model)
+    with plugin.forward_context(), recorder() as record:
+        model(x)
+    inputs = {t.untyped_storage().data_ptr() for t in record.saved if t.shape == x.shape and t.dtype == torch.bfloat16}
+    assert len(inputs) == 1 and model.norm.weight.dtype == torch.float32
+
+
 def test_fsdp2_replacement_must_hold_the_parameters(one_process_group):
     """FSDP2 would gather into the replacement parameters it does not hold: the surgery refuses such a swap."""
     from torch.distributed.device_mesh import init_device_mesh
