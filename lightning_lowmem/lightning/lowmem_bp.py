@@ -47,6 +47,10 @@ class LowMemBP(Callback):
     rank 0 and kept in :attr:`report`. The arguments are those of
     :func:`~lightning_lowmem.surgery.apply_lowmem`; ``budget_mib`` applies to the training batch,
     so the blocks to checkpoint are chosen on the first one.
+
+    Strategies: DDP; FSDP2 (``ModelParallelStrategy``, ``fully_shard`` in ``configure_model``: the sharded
+    model is converted); FSDP (``FSDPStrategy``, with :class:`~lightning_lowmem.LowMemFSDPPrecision`) only
+    on ``example_input_array`` and without ``budget_mib``. DeepSpeed is refused at setup.
     """
 
     def __init__(
