@@ -95,7 +95,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from test_fsdp import ShardedViT, images, vit
 from lightning_lowmem import LowMemPrecision
 from lightning_lowmem.lightning import LowMemBP
-from lightning_lowmem.surgery import apply_lowmem, plan
+from lightning_lowmem.surgery import apply_lowmem
 
 def fit(model, lowmem):
     callback = LowMemBP()
@@ -113,7 +113,7 @@ def measured(model, report=None):
 
 torch.manual_seed(0)
 stock = ShardedViT()
-trainer, _ = fit(stock, lowmem=False)
+fit(stock, lowmem=False)
 torch.manual_seed(0)
 model = ShardedViT()
 initial = copy.deepcopy(model.net.state_dict())
