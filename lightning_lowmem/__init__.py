@@ -6,13 +6,14 @@ Memory-Sharing Backpropagation" (ICML 2024).
 """
 
 from lightning_lowmem import functional, kernels, memory, nn
-from lightning_lowmem.lightning import LowMemBP, LowMemPrecision, PeakMemoryMonitor
+from lightning_lowmem.lightning import LowMemBP, LowMemFSDPPrecision, LowMemPrecision, PeakMemoryMonitor
 from lightning_lowmem.surgery import LowMemReport, apply_lowmem, max_batch_size, plan
 
 __version__ = "0.1.0"
 
 __all__ = [
     "LowMemBP",
+    "LowMemFSDPPrecision",
     "LowMemPrecision",
     "LowMemReport",
     "PeakMemoryMonitor",

@@ -23,7 +23,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
 from typing_extensions import Self
 
-from lightning_lowmem import LowMemPrecision
+from lightning_lowmem import LowMemBP, LowMemPrecision
 from lightning_lowmem.lightning.precision import LowMemHalfPrecision, LowMemMixedPrecision, is_norm
 from lightning_lowmem.nn import MSLayerNorm, ReGELU2
 from lightning_lowmem.surgery import apply_lowmem
@@ -252,8 +252,29 @@ def test_autocast_device_must_match_the_model():
         fit(Block(), LowMemPrecision("bf16-mixed", device="cuda"))
 
 
+class Unrecorded(Block):
+    """No recording hooks in the training step (the surgery at the first batch leaves hooked modules alone)."""
+
+    def training_step(self, batch, batch_idx):
+        return self(batch).float().pow(2).mean()
+
+
+@pytest.mark.parametrize("precision", list(MODES))
+def test_hooked_norms_convert_at_the_first_batch(precision):
+    """Without example_input_array LowMemBP converts after the plugin hooked the stock norms' outputs: the
+    hook goes with the replaced norm (a memory-sharing norm returns the compute dtype itself), and it leaves
+    the float64 check of a norm's function alone."""
+    model = Unrecorded()
+    callback = LowMemBP()
+    fit(model, LowMemPrecision(precision), callbacks=[callback])
+    assert isinstance(model.ln, MSLayerNorm) and ("ln", "converted") in [
+        (e.name, e.status) for e in callback.report.entries
+    ]
+
+
 def test_fsdp_is_refused_by_name():
-    """FSDP is not supported yet; the Trainer assigns the plugin to the strategy, which refuses it."""
+    """FSDPStrategy requires an FSDPPrecision (LowMemFSDPPrecision, tests/test_fsdp.py); the Trainer assigns the
+    plugin to the strategy, which refuses this one."""
     with pytest.raises(TypeError, match=r"FSDPPrecision.*LowMemPrecision\('bf16-mixed'\)"):
         FSDPStrategy().precision_plugin = LowMemPrecision("bf16-mixed")
 

@@ -9,7 +9,11 @@ of the module instance: the surgery runs right after it, the last moment the bar
 Without ``example_input_array`` the norms need a real input: the surgery then runs at the first
 training forward, on that forward's own input, before it runs (:mod:`~lightning_lowmem.surgery.deferred`).
 Parameters keep their identity, so the optimizers and the DDP wrapper created meanwhile keep
-working; every rank converts on rank 0's input, so all ranks decide alike.
+working; every rank converts on rank 0's input, so all ranks decide alike. FSDP2 (``fully_shard``
+in ``configure_model``) has sharded the model by then: its records of the parameters follow the
+replaced modules (:mod:`~lightning_lowmem.surgery.fsdp`). FSDP1 (``FSDPStrategy``) flattens the
+parameters when it wraps the model, so there the surgery must run before, on ``example_input_array``.
+DeepSpeed is refused.
 """
 
 from __future__ import annotations
@@ -20,10 +24,12 @@ from weakref import WeakSet
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.strategies import FSDPStrategy
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
+from lightning_lowmem.lightning.precision import refuse_deepspeed
 from lightning_lowmem.surgery import LowMemReport, apply_lowmem
 from lightning_lowmem.surgery.dataflow import describe
 from lightning_lowmem.surgery.deferred import CallArgs, at_first_call
@@ -41,6 +47,10 @@ class LowMemBP(Callback):
     rank 0 and kept in :attr:`report`. The arguments are those of
     :func:`~lightning_lowmem.surgery.apply_lowmem`; ``budget_mib`` applies to the training batch,
     so the blocks to checkpoint are chosen on the first one.
+
+    Strategies: DDP; FSDP2 (``ModelParallelStrategy``, ``fully_shard`` in ``configure_model``: the sharded
+    model is converted); FSDP (``FSDPStrategy``, with :class:`~lightning_lowmem.LowMemFSDPPrecision`) only
+    on ``example_input_array`` and without ``budget_mib``. DeepSpeed is refused at setup.
     """
 
     def __init__(
@@ -74,6 +84,7 @@ class LowMemBP(Callback):
                 "Trainer(callbacks=...) holds more than one LowMemBP: a model is converted once; pass one LowMemBP "
                 "with all the options"
             )
+        refuse_deepspeed("LowMemBP", trainer.strategy)
         if pl_module in self._converted:  # a repeated fit/validate/test: nothing left to do
             return
         configure_model = pl_module.configure_model  # the user's, or the no-op default
@@ -127,7 +138,15 @@ class LowMemBP(Callback):
     def _convert(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         example: Any = pl_module.example_input_array
         self._converted.add(pl_module)
-        if example is None and self.options["norm"] not in (False, None, "off"):
+        probe_later = example is None and self.options["norm"] not in (False, None, "off")
+        if (probe_later or self.budget_mib is not None) and isinstance(trainer.strategy, FSDPStrategy):
+            raise MisconfigurationException(
+                "LowMemBP with FSDPStrategy must convert the model before FSDP wraps it (FSDP flattens the "
+                "parameters), so on LightningModule.example_input_array and without budget_mib (fitted on the first "
+                "training batch); set example_input_array, or shard with FSDP2 (ModelParallelStrategy), where the "
+                "model is converted at the first training batch"
+            )
+        if probe_later:
             self.report = LowMemReport(pending=True)
         else:
             with trainer.precision_plugin.forward_context():

@@ -10,23 +10,27 @@ then the very storage the linears save.
 ``LowMemPrecision(precision)`` builds the plugin of the stock type for the literal, so that
 every ``isinstance`` check in Lightning (grad-scaler checkpoint state, ``ThroughputMonitor``'s
 compute dtype, strategies) sees what it sees for ``Trainer(precision=...)``. The norm handling
-is in module-level functions, for other plugin types (an ``FSDPPrecision`` variant) to share.
+is in module-level functions, for other plugin types (:class:`~lightning_lowmem.LowMemFSDPPrecision`) to share.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from functools import partial
 from typing import Any, Literal, get_args
 from weakref import WeakKeyDictionary
 
 import torch
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
+from lightning.pytorch.strategies import DeepSpeedStrategy
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor, nn
+from torch.distributed.fsdp import FSDPModule
 from torch.utils.hooks import RemovableHandle
 from typing_extensions import Self, override
 
+from lightning_lowmem.memory.saved_tensors import observer
 from lightning_lowmem.nn import MemorySharingNorm
 
 _MIXED = Literal["16-mixed", "bf16-mixed"]
@@ -51,9 +55,14 @@ def is_norm(module: nn.Module) -> bool:
     return isinstance(module, (*_TORCH_NORMS, *_MEMORY_SHARING_NORMS)) or bool(_NORM_NAME.search(type(module).__name__))
 
 
-def cast_except_norms(module: nn.Module, dtype: torch.dtype) -> None:
-    """Cast ``module``'s floating parameters and buffers to ``dtype``, and its norms' to fp32."""
-    norms = {id(m) for m in module.modules() if is_norm(m)}
+def is_stock_norm(module: nn.Module) -> bool:
+    """A norm (:func:`is_norm`) that is not a memory-sharing norm."""
+    return is_norm(module) and not isinstance(module, _MEMORY_SHARING_NORMS)
+
+
+def cast_except_norms(module: nn.Module, dtype: torch.dtype, keep: Callable[[nn.Module], bool] = is_norm) -> None:
+    """Cast ``module``'s floating parameters and buffers to ``dtype``, and those of the norms ``keep`` picks to fp32."""
+    norms = {id(m) for m in module.modules() if keep(m)}
     for submodule in module.modules():
         target = torch.float32 if id(submodule) in norms else dtype
         submodule._apply(partial(_cast_floating, target), recurse=False)
@@ -63,17 +72,21 @@ def cast_norm_outputs(module: nn.Module, dtype: torch.dtype | None) -> None:
     """Make every stock norm in ``module`` return the compute dtype: the autocast dtype under
     autocast, else ``dtype`` (``None``: leave the output as it is). Memory-sharing norms already do."""
     for norm in module.modules():
-        if not is_norm(norm) or isinstance(norm, _MEMORY_SHARING_NORMS):
+        if not is_stock_norm(norm):
             continue
         previous = _OUTPUT_HOOKS.pop(norm, None)
         if previous is not None:
             previous.remove()
-        # a partial of a module-level function: a converted model stays picklable
-        _OUTPUT_HOOKS[norm] = norm.register_forward_hook(partial(_output_to_compute_dtype, dtype))
+        # a partial of a module-level function: a converted model stays picklable. Marked as an observer:
+        # the surgery may replace the norm (at the first training forward, after this plugin's setup) by a
+        # memory-sharing norm, which returns the compute dtype itself
+        _OUTPUT_HOOKS[norm] = norm.register_forward_hook(observer(partial(_output_to_compute_dtype, dtype)))
 
 
 def _output_to_compute_dtype(dtype: torch.dtype | None, module: nn.Module, args: Any, output: Any) -> Any:
-    if not isinstance(output, Tensor) or not output.is_floating_point():
+    """Cast a floating output to the compute dtype; float64 is left alone, as autocast leaves it (and the
+    surgery's check of a norm runs it in float64)."""
+    if not isinstance(output, Tensor) or not output.is_floating_point() or output.dtype == torch.float64:
         return output
     if torch.is_autocast_enabled(output.device.type):
         dtype = torch.get_autocast_dtype(output.device.type)
@@ -82,6 +95,22 @@ def _output_to_compute_dtype(dtype: torch.dtype | None, module: nn.Module, args:
 
 def _cast_floating(dtype: torch.dtype, tensor: Tensor) -> Tensor:
     return tensor.to(dtype) if tensor.is_floating_point() else tensor
+
+
+def refuse_deepspeed(owner: str, strategy: object) -> None:
+    """Raise if ``strategy`` is DeepSpeed's: it takes over the model's parameters and precision, so neither
+    the surgery nor the norm handling can be checked there."""
+    if isinstance(strategy, DeepSpeedStrategy):
+        raise MisconfigurationException(
+            f"{owner} does not support DeepSpeedStrategy (DeepSpeed partitions the parameters and runs its own "
+            "precision); shard with FSDP2 instead: Trainer(strategy=ModelParallelStrategy(...)) with fully_shard "
+            "in configure_model, or FSDPStrategy with LowMemFSDPPrecision"
+        )
+
+
+def strategy_of(module: nn.Module) -> object:
+    """The strategy of the Trainer ``module`` (a LightningModule) is attached to, else ``None``."""
+    return getattr(getattr(module, "_trainer", None), "strategy", None)
 
 
 def _check_precision(owner: str, precision: object, accepted: tuple[str, ...]) -> None:
@@ -118,8 +147,11 @@ class LowMemPrecision(Precision):
     Numerics: in a post-norm model (BERT) a norm's output is also the next residual, which
     is then carried in the compute dtype up to the next norm, as it is under ``*-true``.
 
-    Not supported yet: strategies that require their own precision plugin (FSDP,
-    DeepSpeed, XLA); Lightning refuses the combination when the Trainer is built.
+    Strategies: DDP, and FSDP2 (``ModelParallelStrategy`` with ``fully_shard`` in ``configure_model``) in
+    ``"bf16-mixed"`` (or ``"32-true"``): FSDP2 shards each module's parameters in one dtype, so the
+    ``*-true`` modes, which would keep the norms' parameters fp32 beside half ones, are refused at setup.
+    For ``FSDPStrategy`` use :class:`~lightning_lowmem.LowMemFSDPPrecision` (Lightning requires an
+    ``FSDPPrecision`` there). DeepSpeed is refused at setup; XLA requires its own plugin.
 
     Args:
         precision: one of ``"16-mixed"``, ``"bf16-mixed"``, ``"16-true"``, ``"bf16-true"``,
@@ -160,6 +192,12 @@ class LowMemPrecision(Precision):
         """The call that builds this plugin (Lightning's error messages show it)."""
         return f"LowMemPrecision({self.precision!r})"
 
+    @override
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        """Refuse DeepSpeed (the strategy calls this at its setup); the modes' plugins convert the module."""
+        refuse_deepspeed(repr(self), strategy_of(module))
+        return module
+
 
 class LowMemMixedPrecision(LowMemPrecision, MixedPrecision):
     """Lightning's ``MixedPrecision`` whose stock norms return the autocast dtype (see :class:`LowMemPrecision`)."""
@@ -174,6 +212,7 @@ class LowMemMixedPrecision(LowMemPrecision, MixedPrecision):
 
     @override
     def convert_module(self, module: nn.Module) -> nn.Module:
+        module = super().convert_module(module)
         cast_norm_outputs(module, None)  # outside autocast (a model used by hand), outputs stay as they are
         return module
 
@@ -202,6 +241,12 @@ class LowMemHalfPrecision(LowMemPrecision, HalfPrecision):
 
     @override
     def convert_module(self, module: nn.Module) -> nn.Module:
+        module = super().convert_module(module)
+        if any(isinstance(m, FSDPModule) for m in module.modules()):
+            raise MisconfigurationException(
+                f"{self!r} keeps the norms' parameters in fp32, and FSDP2 (fully_shard) shards each module's "
+                "parameters in one dtype; use LowMemPrecision('bf16-mixed')"
+            )
         cast_except_norms(module, self._desired_input_dtype)
         cast_norm_outputs(module, self._desired_input_dtype)
         return module

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from typing_extensions import Self
 
 MIB = float(1 << 20)
@@ -54,6 +55,11 @@ def _storage_key(t: torch.Tensor) -> tuple:
     return (t.device, t.untyped_storage().data_ptr())
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The tensor this process holds: a ``DTensor``'s local shard (FSDP2's sharded parameters)."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 class SavedTensorMeter:
     """Context manager counting unique storages saved for backward.
 
@@ -81,7 +87,7 @@ class SavedTensorMeter:
         self._refs: dict[tuple, int] = {}
         self._sizes: dict[tuple, int] = {}
         self._excluded: set[tuple] = set()
-        self._parameters_by_shape: dict[tuple[int, ...], list[torch.Tensor]] = defaultdict(list)
+        self._parameters_by_shape: dict[tuple[int, ...], list[tuple[nn.Module, str]]] = defaultdict(list)
         self._module_stack: list[str] = []
         self._module_hooks: list = []
         self._graph_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
@@ -90,9 +96,11 @@ class SavedTensorMeter:
     def __enter__(self) -> Self:
         if self.model is not None:
             tensors = [*self.model.parameters(), *self.model.buffers()]
-            self._excluded = {_storage_key(t) for t in tensors}
-            for parameter in self.model.parameters():
-                self._parameters_by_shape[tuple(parameter.shape)].append(parameter)
+            self._excluded = {_storage_key(_local(t)) for t in tensors}
+            for module in self.model.modules():
+                for name, parameter in module._parameters.items():
+                    if parameter is not None:
+                        self._parameters_by_shape[tuple(parameter.shape)].append((module, name))
             leave = observer(lambda module, args, output: self._leave_module())
             for name, module in self.model.named_modules():
                 self._module_hooks.append(module.register_forward_pre_hook(self._enter_module(name)))
@@ -124,9 +132,13 @@ class SavedTensorMeter:
 
     def _is_weight_copy(self, t: torch.Tensor) -> bool:
         """``t`` (or the tensor it is a view of: a linear saves its weight transposed) equals a parameter of
-        the model cast to ``t``'s dtype; only parameters of the same shape are compared."""
+        the model cast to ``t``'s dtype; only parameters of the same shape are compared. A parameter is looked up
+        where it is registered when ``t`` is saved: FSDP2 puts the gathered parameter there for the forward."""
         base = t if t._base is None else t._base
-        candidates = [p for p in self._parameters_by_shape.get(tuple(base.shape), ()) if p.dtype != base.dtype]
+        current = (
+            module._parameters.get(name) for module, name in self._parameters_by_shape.get(tuple(base.shape), ())
+        )
+        candidates = [p for p in current if p is not None and not isinstance(p, DTensor) and p.dtype != base.dtype]
         with torch.no_grad():
             return any(p.device == base.device and torch.equal(p.to(base.dtype), base) for p in candidates)
 

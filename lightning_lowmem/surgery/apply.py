@@ -57,7 +57,8 @@ def apply_lowmem(
     Args:
         model: any ``nn.Module`` (timm, Hugging Face, peft, custom; a ``torch.compile``'d module is
             converted through the module it compiles: convert before its first call). Parameters
-            stay the same objects, so optimizers and DDP keep working; run it before FSDP wrapping.
+            stay the same objects, so optimizers and DDP keep working; run it before FSDP (FSDP1) wraps
+            the model; a model FSDP2's ``fully_shard`` sharded converts as it is.
         activation: ``"auto"`` converts every GELU / SiLU / QuickGELU / Mish module; ``False`` none.
         norm: ``"auto"`` converts each LayerNorm / RMSNorm whose output linear layers read
             (decided by a probe forward on a real input); ``False`` none.

@@ -2,7 +2,8 @@
 
 A replacement swaps a module object wherever it is held: in the model, and in the new
 modules of the plan (a fused gated MLP holds the stock projections, which the plan replaces
-too), so the order in which replacements are applied does not matter.
+too), so the order in which replacements are applied does not matter. In a model that FSDP2
+already sharded, FSDP2's records of where it sets each parameter follow the replacement (:mod:`.fsdp`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from lightning_lowmem.memory import SavedTensorMeter
-from lightning_lowmem.surgery import dataflow
+from lightning_lowmem.surgery import dataflow, fsdp
 
 
 class Surgery:
@@ -34,10 +35,17 @@ class Surgery:
                         self.holders.setdefault(id(child), []).append((parent, attr))
         self.undo: list[tuple[object, str, object]] = []
         self.hooks: list[RemovableHandle] = []
+        self.fsdp_records = fsdp.param_records(model)
+        self.fsdp_groups: dict[int, object] = {}  # FSDP2 parameter groups whose records changed
 
     def replace(self, old: nn.Module, new: nn.Module) -> None:
         for parent, attr in self.holders.get(id(old), ()):
             self.set(parent, attr, new)
+        for group, info in self.fsdp_records.get(id(old), ()):
+            for attr, value in fsdp.repoint(info, old, new).items():
+                self.set(info, attr, value)
+            self.fsdp_groups[id(group)] = group
+            fsdp.refresh_state_dict_hooks(group)
 
     def set(self, obj: object, attr: str, value: object) -> None:
         self.undo.append((obj, attr, getattr(obj, attr)))
@@ -61,6 +69,9 @@ class Surgery:
             else:
                 setattr(obj, attr, value)
         self.undo.clear()
+        for group in self.fsdp_groups.values():
+            fsdp.refresh_state_dict_hooks(group)
+        self.fsdp_groups.clear()
 
 
 _SHADOWED = object()  # undo marker: the attribute was the class's

@@ -270,7 +270,8 @@ def norm_spec(module: nn.Module) -> NormSpec:
     # float64 input, randomised affine, rows at several scales (eps matters for the small ones)
     scales = torch.logspace(-3, 2, 6, dtype=torch.float64).view(-1, *([1] * len(shape)))
     x = (torch.randn(6, *shape, dtype=torch.float64) + 0.5) * scales
-    trial = {name: torch.randn_like(p, dtype=torch.float64) for name, p in params.items()}
+    # by shape: an FSDP2 parameter may be a shard (DTensor)
+    trial = {name: torch.randn(p.shape, dtype=torch.float64, device=p.device) for name, p in params.items()}
     try:
         with torch.no_grad():
             y = functional_call(module, trial, (x,))
