@@ -78,9 +78,13 @@ def cuda_archs() -> str:
     return ";".join(f"{major}.{minor}" for major, minor in sorted(capabilities))
 
 
-def compiler_flags(kind: str) -> tuple[list[str], list[str]]:
-    """The C++ and CUDA flags of a ``kind`` build."""
-    return ["-O3", *(cpu_flags() if kind == "cpu" else [])], ["-O3", "-DLOWMEM_CUDA"]
+def compiler_flags(kind: str) -> tuple[list[str], list[str], list[str]]:
+    """The C++, CUDA and linker flags of a ``kind`` build. The CPU kernels split their work with
+    ``at::parallel_for``, which runs on OpenMP threads only in code compiled with ``-fopenmp`` (serially
+    otherwise); the library then uses the ``libgomp.so.1`` torch has already loaded."""
+    if kind == "cpu":
+        return ["-O3", "-fopenmp", *cpu_flags()], [], ["-fopenmp"]
+    return ["-O3"], ["-O3", "-DLOWMEM_CUDA"], []
 
 
 def source_hash(kind: str) -> str:
@@ -204,13 +208,14 @@ def _compile_into(directory: Path, kind: str, verbose: bool) -> Path:
 
     print(f"lightning_lowmem: compiling the {kind} kernels into {directory} (about a minute)", file=sys.stderr)
     staging = Path(tempfile.mkdtemp(prefix=f"{directory.name}.staging-", dir=directory.parent))
-    cflags, cuda_cflags = compiler_flags(kind)
+    cflags, cuda_cflags, ldflags = compiler_flags(kind)
     try:
         cpp_extension.load(
             name=library_name(kind).removesuffix(".so"),
             sources=[str(CSRC / s) for s in SOURCES[kind]],
             extra_cflags=cflags,
             extra_cuda_cflags=cuda_cflags,
+            extra_ldflags=ldflags,
             extra_include_paths=[str(CSRC)],
             build_directory=str(staging),
             with_cuda=kind == "cuda",
