@@ -219,9 +219,9 @@ void act_codes_vectorized(const T* x, int64_t numel, const float* thresholds, ui
   using fVec = Vectorized<float>;
   constexpr int64_t kStep = std::is_same_v<T, float> ? fVec::size() : 2 * fVec::size();
   constexpr int P = Packing<kBits>::kPerByte;
-  const VecCodes<kBits> codes_of(thresholds);
   const auto byte_of = [&](int64_t i) { return packed + i * kBits / 8; };
   at::parallel_for(0, (numel + kStep - 1) / kStep, 4096 / kStep, [&](int64_t begin, int64_t end) {
+    const VecCodes<kBits> codes_of(thresholds);  // a task's own: the byte stores cannot alias it
     const int64_t last = std::min(numel, end * kStep);
     int64_t i = begin * kStep;
     for (; i + kStep <= last; i += kStep) {
@@ -251,9 +251,9 @@ template <int kBits, typename T>
 void step_scale_vectorized(const T* grad, const uint8_t* packed, int64_t numel, const float* levels, T* out) {
   using fVec = Vectorized<float>;
   constexpr int64_t kStep = std::is_same_v<T, float> ? fVec::size() : 2 * fVec::size();
-  const VecLevels<kBits> level_of_codes(levels);
   const auto byte_of = [&](int64_t i) { return packed + i * kBits / 8; };
   at::parallel_for(0, (numel + kStep - 1) / kStep, 2048 / kStep, [&](int64_t begin, int64_t end) {
+    const VecLevels<kBits> level_of_codes(levels);
     const int64_t last = std::min(numel, end * kStep);
     int64_t i = begin * kStep;
     for (; i + kStep <= last; i += kStep) {
