@@ -24,9 +24,12 @@ def _affine(
         return z.to(dtype)
     param = gamma if gamma is not None else beta
     out = z.to(param.dtype)
-    if gamma is not None:
-        out = out * (gamma + offset if offset else gamma)
-    if beta is not None:
+    scale = None if gamma is None else gamma + offset if offset else gamma
+    if scale is not None and beta is not None:
+        out = torch.addcmul(beta, out, scale)  # one pass
+    elif scale is not None:
+        out = out * scale
+    else:
         out = out + beta
     return out.to(dtype)
 
@@ -66,10 +69,15 @@ class NormAffineFunction(torch.autograd.Function):
             y = _affine(z, gamma, beta, dtype, offset)
         ctx.save_for_backward(z if ctx.needs_input_grad[1] else None, gamma, beta)
         ctx.z_dtype, ctx.offset = z.dtype, offset
+        # when every reader of y is a linear layer taking z instead, y gets no gradient: autograd still
+        # calls backward, with None rather than a tensor of zeros to multiply and sum
+        ctx.set_materialize_grads(False)
         return y
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
+    def backward(ctx, grad: torch.Tensor | None):
+        if grad is None:
+            return None, None, None, None, None
         z, gamma, beta = ctx.saved_tensors
         grad_z, grad_gamma, grad_beta = _affine_grads(grad, z, gamma, beta, ctx.offset, ctx.needs_input_grad[:3])
         return None if grad_z is None else grad_z.to(ctx.z_dtype), grad_gamma, grad_beta, None, None
@@ -86,6 +94,7 @@ def norm_affine(
 
 def _weight_grad(
     grad_2d: torch.Tensor,
+    grad_sum: torch.Tensor | None,
     saved: torch.Tensor,
     gamma: torch.Tensor | None,
     beta: torch.Tensor | None,
@@ -96,13 +105,14 @@ def _weight_grad(
     """``grad^T @ x``. From a shared ``z`` (``x = (gamma + offset) * z + beta`` over the input features) it
     is ``(grad^T @ z) * (gamma + offset) + outer(sum(grad), beta)``: ``x`` is never rebuilt, so nothing but
     ``z`` crosses from forward to backward, also under torch.compile (whose partitioner saves a rebuilt
-    ``x`` rather than recompute it) and the extra work is weight-sized, not activation-sized."""
+    ``x`` rather than recompute it) and the extra work is weight-sized, not activation-sized. ``grad_sum``
+    is ``sum(grad)`` when the bias gradient has already computed it."""
     inputs = saved.reshape(-1, saved.shape[-1]).to(dtype)
     grad_w = grad_2d.t() @ inputs
     if shared and gamma is not None:
         grad_w = grad_w * (gamma + offset if offset else gamma)
     if shared and beta is not None:
-        grad_w = grad_w + grad_2d.sum(0).unsqueeze(1) * beta
+        grad_w = grad_w + (grad_2d.sum(0) if grad_sum is None else grad_sum).unsqueeze(1) * beta
     return grad_w
 
 
@@ -134,10 +144,12 @@ class AffineLinearFunction(torch.autograd.Function):
         grad = grad.to(dtype)
         grad_2d = grad.reshape(-1, grad.shape[-1])
         grad_x = grad_z = grad_w = grad_b = grad_gamma = grad_beta = None
+        grad_sum = grad_2d.sum(0) if needs_b else None  # one pass over grad, for the bias and the beta term
         if needs_w:
-            grad_w = _weight_grad(grad_2d, saved, gamma, beta, dtype, ctx.offset, ctx.shared).to(weight.dtype)
+            grad_w = _weight_grad(grad_2d, grad_sum, saved, gamma, beta, dtype, ctx.offset, ctx.shared)
+            grad_w = grad_w.to(weight.dtype)
         if needs_b:
-            grad_b = grad_2d.sum(0).to(weight.dtype)
+            grad_b = grad_sum.to(weight.dtype)
         if needs_x or needs_z or needs_gamma or needs_beta:
             grad_in = grad @ weight.to(dtype)
             if not ctx.shared:
