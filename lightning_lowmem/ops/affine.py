@@ -46,16 +46,21 @@ def _affine_grads(
     beta: torch.Tensor | None,
     offset: float,
     needs: tuple,
+    owned: bool = False,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """Gradients of ``y = (gamma + offset) * z + beta`` for ``z``, ``gamma``, ``beta`` (where ``needs`` says so)."""
+    """Gradients of ``y = (gamma + offset) * z + beta`` for ``z``, ``gamma``, ``beta`` (where ``needs`` says so).
+    ``owned``: ``grad_y`` is a temporary of the caller's, multiplied by ``z`` in place for ``gamma``'s gradient
+    (last), saving an activation-sized allocation."""
     needs_z, needs_gamma, needs_beta = needs
     grad_z = grad_gamma = grad_beta = None
-    if needs_gamma:
-        grad_gamma = (_rows(grad_y, gamma) * _rows(z, gamma)).sum(0)
     if needs_beta:
         grad_beta = _rows(grad_y, beta).sum(0)
     if needs_z:
         grad_z = grad_y if gamma is None else grad_y.to(gamma.dtype) * (gamma + offset if offset else gamma)
+    if needs_gamma:
+        rows = _rows(grad_y, gamma)
+        reusable = owned and grad_z is not grad_y and rows.dtype == torch.promote_types(rows.dtype, z.dtype)
+        grad_gamma = (rows.mul_(_rows(z, gamma)) if reusable else rows * _rows(z, gamma)).sum(0)
     return grad_z, grad_gamma, grad_beta
 
 
@@ -156,7 +161,9 @@ class AffineLinearFunction(torch.autograd.Function):
                 grad_x = grad_in.to(ctx.x_dtype)
             else:
                 needs = (needs_z, needs_gamma, needs_beta)
-                grad_z, grad_gamma, grad_beta = _affine_grads(grad_in, saved, gamma, beta, ctx.offset, needs)
+                grad_z, grad_gamma, grad_beta = _affine_grads(
+                    grad_in, saved, gamma, beta, ctx.offset, needs, owned=True
+                )
                 grad_z = None if grad_z is None else grad_z.to(ctx.z_dtype)
         return grad_x, grad_z, grad_w, grad_b, grad_gamma, grad_beta, None, None
 
