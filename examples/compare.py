@@ -207,6 +207,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
     (Path(args.root) / "compare.json").write_text(json.dumps(summary, indent=2))
     if args.figure or plots.MATPLOTLIB_AVAILABLE:
         path = Path(args.figure or Path(args.root) / "compare.png")
+        path.parent.mkdir(parents=True, exist_ok=True)
         figure(summary).savefig(path, dpi=100)
         print(f"Per epoch: {path}")
     return runs
