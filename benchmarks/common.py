@@ -6,6 +6,7 @@ markers) and rewrites only that section, so benchmarks can run in any order.
 
 from __future__ import annotations
 
+import math
 import os
 import platform
 import re
@@ -20,8 +21,22 @@ import torch
 RESULTS = Path(__file__).with_name("RESULTS.md")
 
 
-# The 1-minute load average when this process started, before it did any work of its own.
-LOAD_AT_START = os.getloadavg()[0]
+def _own_share_of_load() -> float:
+    """What this process itself has added to the 1-minute load average since it started (importing torch
+    takes seconds of a core): its CPU use so far, weighted as the kernel's exponential average weighs it."""
+    try:
+        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        started = int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22, starttime: seconds after boot
+        elapsed = float(Path("/proc/uptime").read_text().split()[0]) - started
+    except (OSError, ValueError, IndexError):  # not Linux
+        return 0.0
+    if elapsed <= 0:
+        return 0.0
+    return min(time.process_time() / elapsed, 1.0) * (1 - math.exp(-elapsed / 60))
+
+
+# The 1-minute load average of the other processes when this one started timing.
+LOAD_AT_START = max(os.getloadavg()[0] - _own_share_of_load(), 0.0)
 MAX_LOAD = 0.5  # machine-wide: above it, other processes share the cores and the memory bandwidth
 # of a reference op's run-to-run times, interquartile range / median: 8-16% on a quiet 2-core VM here
 # (its memory bandwidth varies), 100% and more while another process computes
