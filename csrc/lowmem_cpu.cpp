@@ -1,6 +1,7 @@
-// CPU kernels: ATen's parallel_for (respects torch.set_num_threads) over blocks of elements or
-// rows, at::vec::Vectorized arithmetic, fp32 accumulation (fp64 for fp64). Half and bfloat16
-// blocks are staged into a small fp32 buffer so every kernel body works on one type.
+// CPU kernels: ATen's parallel_for (respects torch.set_num_threads; OpenMP, so the build needs
+// -fopenmp) over blocks of elements or rows, at::vec::Vectorized arithmetic, fp32 accumulation (fp64
+// for fp64). Half and bfloat16 are widened to fp32 in registers where the kernel has a vector path,
+// else staged through a small fp32 buffer (the portable code / fp64 paths of the codes kernels).
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
@@ -15,7 +16,6 @@
 #include <array>
 #include <cstring>
 #include <tuple>
-#include <utility>
 #include <type_traits>
 #include <vector>
 
@@ -57,38 +57,6 @@ void row_for_each(int64_t n, F&& f) {
   int64_t i = 0;
   for (; i + Vec::size() <= n; i += Vec::size()) f(i, Vec());
   for (; i < n; ++i) f(i, acc_t());
-}
-
-// Sums over [0, n) of the K values term(i, V{}) returns: four independent vector accumulators
-// per value (no add-latency chain), lanes reduced at the end, then the scalar tail.
-template <typename acc_t, int K, typename F>
-std::array<acc_t, K> row_sums(int64_t n, F&& term) {
-  using Vec = Vectorized<acc_t>;
-  constexpr int kUnroll = 4;
-  constexpr int64_t W = Vec::size();
-  std::array<std::array<Vec, kUnroll>, K> lanes;
-  for (auto& per_value : lanes) per_value.fill(Vec(acc_t(0)));
-  int64_t i = 0;
-  for (; i + kUnroll * W <= n; i += kUnroll * W) {
-    for (int u = 0; u < kUnroll; ++u) {
-      const auto t = term(i + u * W, Vec());
-      for (int k = 0; k < K; ++k) lanes[k][u] = lanes[k][u] + t[k];
-    }
-  }
-  for (; i + W <= n; i += W) {
-    const auto t = term(i, Vec());
-    for (int k = 0; k < K; ++k) lanes[k][0] = lanes[k][0] + t[k];
-  }
-  std::array<acc_t, K> sums;
-  for (int k = 0; k < K; ++k) {
-    const Vec total = (lanes[k][0] + lanes[k][1]) + (lanes[k][2] + lanes[k][3]);
-    sums[k] = at::vec::vec_reduce_all([](Vec a, Vec b) { return a + b; }, total);
-  }
-  for (; i < n; ++i) {
-    const auto t = term(i, acc_t());
-    for (int k = 0; k < K; ++k) sums[k] += t[k];
-  }
-  return sums;
 }
 
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
@@ -351,7 +319,6 @@ void scale_block(const acc_t* __restrict grad, const uint8_t* __restrict packed,
   for (int64_t i = P * full; i < n; ++i) out[i] = grad[i] * lut.table[P * packed[full] + i - P * full];
 }
 
-
 template <int kBits, typename T>
 void step_scale_kernel(const T* grad, const uint8_t* packed, int64_t numel, const double* levels_in, int64_t count,
                        T* out) {
@@ -384,200 +351,125 @@ void step_scale_kernel(const T* grad, const uint8_t* packed, int64_t numel, cons
 // Rows per parallel task: enough elements (ATen's grain size) that a task outweighs its scheduling.
 int64_t row_grain(int64_t dim) { return std::max<int64_t>(1, 32768 / dim); }
 
-// Rows are walked in L1-sized chunks (staged to fp32 when the type is narrower), never copied whole:
-// a long row (11008 bf16 elements) staged whole would overflow L1 and cost a third memory pass.
-constexpr int64_t kChunk = 4096;  // a row of up to kChunk elements is staged once
-
-// 2 * Vectorized<float>::size() elements of float, half or bfloat16 as two fp32 vectors, and back.
-template <typename X>
-std::tuple<Vectorized<float>, Vectorized<float>> load_pair(const X* p) {
-  if constexpr (std::is_same_v<X, float>) {
-    return {Vectorized<float>::loadu(p), Vectorized<float>::loadu(p + Vectorized<float>::size())};
-  } else {
+// 2 * Vectorized<acc_t>::size() elements of X as two acc_t vectors, and back: narrow types widened in
+// registers (half/bfloat16 to float); other mixes (fp64 math on a float tensor) through a small array.
+template <typename acc_t, typename X>
+std::tuple<Vectorized<acc_t>, Vectorized<acc_t>> load_pair(const X* p) {
+  using Vec = Vectorized<acc_t>;
+  if constexpr (std::is_same_v<X, acc_t>) {
+    return {Vec::loadu(p), Vec::loadu(p + Vec::size())};
+  } else if constexpr (std::is_same_v<acc_t, float> && at::vec::is_reduced_floating_point_v<X>) {
     return at::vec::convert_to_float<X>(Vectorized<X>::loadu(p));
-  }
-}
-
-template <typename X>
-void store_pair(X* p, Vectorized<float> a, Vectorized<float> b) {
-  if constexpr (std::is_same_v<X, float>) {
-    a.store(p);
-    b.store(p + Vectorized<float>::size());
   } else {
-    at::vec::convert_from_float<X>(a, b).store(p);
+    alignas(64) acc_t wide[2 * Vec::size()];
+    for (int64_t k = 0; k < 2 * Vec::size(); ++k) wide[k] = static_cast<acc_t>(p[k]);
+    return {Vec::loadu(wide), Vec::loadu(wide + Vec::size())};
   }
 }
 
-// norm_forward for fp32 math (float, half, bfloat16 tensors): narrow types widened in registers, no
-// staging buffers; the mean, then the centered sum of squares, then z, each pass over the row after the
-// first from cache.
+template <typename acc_t, typename X>
+void store_pair(X* p, Vectorized<acc_t> a, Vectorized<acc_t> b) {
+  using Vec = Vectorized<acc_t>;
+  if constexpr (std::is_same_v<X, acc_t>) {
+    a.store(p);
+    b.store(p + Vec::size());
+  } else if constexpr (std::is_same_v<acc_t, float> && at::vec::is_reduced_floating_point_v<X>) {
+    at::vec::convert_from_float<X>(a, b).store(p);
+  } else {
+    alignas(64) acc_t wide[2 * Vec::size()];
+    a.store(wide);
+    b.store(wide + Vec::size());
+    for (int64_t k = 0; k < 2 * Vec::size(); ++k) p[k] = static_cast<X>(wide[k]);
+  }
+}
+
+template <typename acc_t>
+acc_t lane_sum(Vectorized<acc_t> v) {
+  return at::vec::vec_reduce_all([](Vectorized<acc_t> a, Vectorized<acc_t> b) { return a + b; }, v);
+}
+
+// Rows in parallel; per row the mean, then the centered sum of squares, then z: three passes over the
+// row, all but the first from cache, in acc_t (fp32 for half/bfloat16, fp64 for fp64).
 template <typename T, typename U>
-void norm_forward_float_kernel(const T* x, int64_t rows, int64_t dim, float eps, bool center, U* z, float* rstd) {
-  using fVec = Vectorized<float>;
-  constexpr int64_t kStep = 2 * fVec::size();
-  const auto lanes = [](fVec v) { return at::vec::vec_reduce_all([](fVec a, fVec b) { return a + b; }, v); };
+void norm_forward_kernel(const T* x, int64_t rows, int64_t dim, double eps, bool center, U* z, at::opmath_type<T>* rstd) {
+  using acc_t = at::opmath_type<T>;
+  using Vec = Vectorized<acc_t>;
+  constexpr int64_t kStep = 2 * Vec::size();
   at::parallel_for(0, rows, row_grain(dim), [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
       const T* xr = x + row * dim;
       U* zr = z + row * dim;
-      float mean = 0.f;
+      acc_t mean = 0;
       if (center) {
-        fVec s0(0), s1(0);
+        Vec s0(0), s1(0);
         int64_t i = 0;
         for (; i + kStep <= dim; i += kStep) {
-          const auto [x0, x1] = load_pair(xr + i);
+          const auto [x0, x1] = load_pair<acc_t>(xr + i);
           s0 += x0;
           s1 += x1;
         }
-        float total = lanes(s0 + s1);
-        for (; i < dim; ++i) total += static_cast<float>(xr[i]);
-        mean = total / float(dim);
+        acc_t total = lane_sum(s0 + s1);
+        for (; i < dim; ++i) total += static_cast<acc_t>(xr[i]);
+        mean = total / acc_t(dim);
       }
-      const fVec vmean(mean);
-      fVec q0(0), q1(0);
+      const Vec vmean(mean);
+      Vec q0(0), q1(0);
       int64_t i = 0;
       for (; i + kStep <= dim; i += kStep) {
-        const auto [x0, x1] = load_pair(xr + i);
+        const auto [x0, x1] = load_pair<acc_t>(xr + i);
         q0 += centered_square(x0, vmean);
         q1 += centered_square(x1, vmean);
       }
-      float m2 = lanes(q0 + q1);
-      for (; i < dim; ++i) m2 += centered_square(static_cast<float>(xr[i]), mean);
-      const float r = inverse_std(m2 / float(dim), eps);
+      acc_t m2 = lane_sum(q0 + q1);
+      for (; i < dim; ++i) m2 += centered_square(static_cast<acc_t>(xr[i]), mean);
+      const acc_t r = inverse_std(m2 / acc_t(dim), acc_t(eps));
       rstd[row] = r;
-      const fVec vr(r);
+      const Vec vr(r);
       for (i = 0; i + kStep <= dim; i += kStep) {
-        const auto [x0, x1] = load_pair(xr + i);
-        store_pair(zr + i, normalized(x0, vmean, vr), normalized(x1, vmean, vr));
+        const auto [x0, x1] = load_pair<acc_t>(xr + i);
+        store_pair<acc_t>(zr + i, normalized(x0, vmean, vr), normalized(x1, vmean, vr));
       }
-      for (; i < dim; ++i) zr[i] = static_cast<U>(normalized(static_cast<float>(xr[i]), mean, r));
+      for (; i < dim; ++i) zr[i] = static_cast<U>(normalized(static_cast<acc_t>(xr[i]), mean, r));
     }
   });
 }
 
-template <typename T, typename U>
-void norm_forward_kernel(const T* x, int64_t rows, int64_t dim, double eps_in, bool center, U* z, at::opmath_type<T>* rstd) {
-  using acc_t = at::opmath_type<T>;
-  const acc_t eps = acc_t(eps_in);
-  at::parallel_for(0, rows, row_grain(dim), [&](int64_t begin, int64_t end) {
-    alignas(64) std::array<acc_t, kChunk> staged, out_buf;
-    for (int64_t row = begin; row < end; ++row) {
-      const T* xrow = x + row * dim;
-      // One pass: per-chunk mean and centered sum of squares, merged across chunks (Chan et al.).
-      acc_t mean = 0, m2 = 0;
-      for (int64_t c0 = 0; c0 < dim; c0 += kChunk) {
-        const int64_t n = std::min(kChunk, dim - c0);
-        const acc_t* xr = as_acc(xrow + c0, staged.data(), n);
-        if (center) {
-          const acc_t chunk_mean =
-              row_sums<acc_t, 1>(n, [&](int64_t i, auto v) { return std::array{load(xr, i, v)}; })[0] / acc_t(n);
-          const acc_t chunk_m2 = row_sums<acc_t, 1>(n, [&](int64_t i, auto v) {
-            using V = decltype(v);
-            return std::array{centered_square(load(xr, i, v), V(chunk_mean))};
-          })[0];
-          const acc_t seen = acc_t(c0), total = acc_t(c0 + n), delta = chunk_mean - mean;
-          mean += delta * (acc_t(n) / total);
-          m2 += chunk_m2 + delta * delta * (seen * acc_t(n) / total);
-        } else {
-          m2 += row_sums<acc_t, 1>(n, [&](int64_t i, auto v) {
-            using V = decltype(v);
-            return std::array{centered_square(load(xr, i, v), V(acc_t(0)))};
-          })[0];
-        }
-      }
-      const acc_t r = inverse_std(m2 / acc_t(dim), eps);
-      rstd[row] = r;
-      for (int64_t c0 = 0; c0 < dim; c0 += kChunk) {
-        const int64_t n = std::min(kChunk, dim - c0);
-        const acc_t* xr = dim <= kChunk && !std::is_same_v<T, acc_t> ? staged.data() : as_acc(xrow + c0, staged.data(), n);
-        acc_t* zr = std::is_same_v<U, acc_t> ? reinterpret_cast<acc_t*>(z + row * dim + c0) : out_buf.data();
-        row_for_each<acc_t>(n, [&](int64_t i, auto v) {
-          using V = decltype(v);
-          store(zr, i, normalized(load(xr, i, v), V(mean), V(r)));
-        });
-        if constexpr (!std::is_same_v<U, acc_t>) at::vec::convert(zr, z + row * dim + c0, n);
-      }
-    }
-  });
-}
-
-// norm_backward for fp32 math (float, half, bfloat16 tensors): narrow types widened in registers, no
-// staging buffers; two passes over each row (sums, then dx), the second from cache.
+// Rows in parallel; per row the sums of g and g*z, then dx: two passes over the row, the second from cache.
 template <typename U, typename T>
-void norm_backward_float_kernel(const U* grad, const U* z, const float* rstd, int64_t rows, int64_t dim, bool center,
-                                T* grad_input) {
-  using fVec = Vectorized<float>;
-  constexpr int64_t kStep = 2 * fVec::size();
+void norm_backward_kernel(const U* grad, const U* z, const at::opmath_type<U>* rstd, int64_t rows, int64_t dim,
+                          bool center, T* grad_input) {
+  using acc_t = at::opmath_type<U>;
+  using Vec = Vectorized<acc_t>;
+  constexpr int64_t kStep = 2 * Vec::size();
   at::parallel_for(0, rows, row_grain(dim), [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
       const U* g = grad + row * dim;
       const U* zr = z + row * dim;
       T* dx = grad_input + row * dim;
-      fVec sum_g0(0), sum_g1(0), sum_gz0(0), sum_gz1(0);
+      Vec sum_g0(0), sum_g1(0), sum_gz0(0), sum_gz1(0);
       int64_t i = 0;
       for (; i + kStep <= dim; i += kStep) {
-        const auto [g0, g1] = load_pair(g + i);
-        const auto [z0, z1] = load_pair(zr + i);
+        const auto [g0, g1] = load_pair<acc_t>(g + i);
+        const auto [z0, z1] = load_pair<acc_t>(zr + i);
         sum_g0 += g0;
         sum_g1 += g1;
         sum_gz0 = at::vec::fmadd(g0, z0, sum_gz0);
         sum_gz1 = at::vec::fmadd(g1, z1, sum_gz1);
       }
-      const auto lanes = [](fVec v) { return at::vec::vec_reduce_all([](fVec a, fVec b) { return a + b; }, v); };
-      float total_g = lanes(sum_g0 + sum_g1), total_gz = lanes(sum_gz0 + sum_gz1);
+      acc_t total_g = lane_sum(sum_g0 + sum_g1), total_gz = lane_sum(sum_gz0 + sum_gz1);
       for (int64_t k = i; k < dim; ++k) {
-        total_g += static_cast<float>(g[k]);
-        total_gz += static_cast<float>(g[k]) * static_cast<float>(zr[k]);
+        total_g += static_cast<acc_t>(g[k]);
+        total_gz += static_cast<acc_t>(g[k]) * static_cast<acc_t>(zr[k]);
       }
-      const float mean_g = center ? total_g / float(dim) : 0.f, mean_gz = total_gz / float(dim), r = rstd[row];
-      const fVec vr(r), vmean_g(mean_g), vmean_gz(mean_gz);
+      const acc_t mean_g = center ? total_g / acc_t(dim) : acc_t(0), mean_gz = total_gz / acc_t(dim), r = rstd[row];
+      const Vec vr(r), vmean_g(mean_g), vmean_gz(mean_gz);
       for (i = 0; i + kStep <= dim; i += kStep) {
-        const auto [g0, g1] = load_pair(g + i);
-        const auto [z0, z1] = load_pair(zr + i);
-        store_pair(dx + i, norm_input_grad(g0, z0, vr, vmean_g, vmean_gz), norm_input_grad(g1, z1, vr, vmean_g, vmean_gz));
+        const auto [g0, g1] = load_pair<acc_t>(g + i);
+        const auto [z0, z1] = load_pair<acc_t>(zr + i);
+        store_pair<acc_t>(dx + i, norm_input_grad(g0, z0, vr, vmean_g, vmean_gz), norm_input_grad(g1, z1, vr, vmean_g, vmean_gz));
       }
       for (; i < dim; ++i) {
-        dx[i] = static_cast<T>(norm_input_grad(static_cast<float>(g[i]), static_cast<float>(zr[i]), r, mean_g, mean_gz));
-      }
-    }
-  });
-}
-
-template <typename U, typename T>
-void norm_backward_kernel(const U* grad, const U* z, const at::opmath_type<U>* rstd, int64_t rows, int64_t dim,
-                          bool center, T* grad_input) {
-  using acc_t = at::opmath_type<U>;
-  at::parallel_for(0, rows, row_grain(dim), [&](int64_t begin, int64_t end) {
-    alignas(64) std::array<acc_t, kChunk> g_buf, z_buf, out_buf;
-    for (int64_t row = begin; row < end; ++row) {
-      const U* grow = grad + row * dim;
-      const U* zrow = z + row * dim;
-      acc_t sum_g = 0, sum_gz = 0;
-      for (int64_t c0 = 0; c0 < dim; c0 += kChunk) {
-        const int64_t n = std::min(kChunk, dim - c0);
-        const acc_t* g = as_acc(grow + c0, g_buf.data(), n);
-        const acc_t* zr = as_acc(zrow + c0, z_buf.data(), n);
-        const auto sums = row_sums<acc_t, 2>(n, [&](int64_t i, auto v) {
-          const auto gv = load(g, i, v);
-          return std::array{gv, gv * load(zr, i, v)};
-        });
-        sum_g += sums[0];
-        sum_gz += sums[1];
-      }
-      const acc_t mean_g = center ? sum_g / acc_t(dim) : acc_t(0);
-      const acc_t mean_gz = sum_gz / acc_t(dim);
-      const acc_t r = rstd[row];
-      for (int64_t c0 = 0; c0 < dim; c0 += kChunk) {
-        const int64_t n = std::min(kChunk, dim - c0);
-        const bool reuse = dim <= kChunk && !std::is_same_v<U, acc_t>;  // still staged from the first pass
-        const acc_t* g = reuse ? g_buf.data() : as_acc(grow + c0, g_buf.data(), n);
-        const acc_t* zr = reuse ? z_buf.data() : as_acc(zrow + c0, z_buf.data(), n);
-        acc_t* dx = std::is_same_v<T, acc_t> ? reinterpret_cast<acc_t*>(grad_input + row * dim + c0) : out_buf.data();
-        row_for_each<acc_t>(n, [&](int64_t i, auto v) {
-          using V = decltype(v);
-          store(dx, i, norm_input_grad(load(g, i, v), load(zr, i, v), V(r), V(mean_g), V(mean_gz)));
-        });
-        if constexpr (!std::is_same_v<T, acc_t>) at::vec::convert(dx, grad_input + row * dim + c0, n);
+        dx[i] = static_cast<T>(norm_input_grad(static_cast<acc_t>(g[i]), static_cast<acc_t>(zr[i]), r, mean_g, mean_gz));
       }
     }
   });
@@ -686,13 +578,8 @@ void norm_forward(const at::Tensor& x, int64_t dim, double eps, bool center, at:
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "norm_forward", [&] {
     using in_t = scalar_t;
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, z.scalar_type(), "norm_forward", [&] {
-      if constexpr (std::is_same_v<at::opmath_type<in_t>, float> && std::is_same_v<at::opmath_type<scalar_t>, float>) {
-        norm_forward_float_kernel(x.const_data_ptr<in_t>(), rstd.numel(), dim, float(eps), center,
-                                  z.mutable_data_ptr<scalar_t>(), rstd.mutable_data_ptr<float>());
-      } else {
-        norm_forward_kernel(x.const_data_ptr<in_t>(), rstd.numel(), dim, eps, center, z.mutable_data_ptr<scalar_t>(),
-                            rstd.mutable_data_ptr<at::opmath_type<in_t>>());
-      }
+      norm_forward_kernel(x.const_data_ptr<in_t>(), rstd.numel(), dim, eps, center, z.mutable_data_ptr<scalar_t>(),
+                          rstd.mutable_data_ptr<at::opmath_type<in_t>>());
     });
   });
 }
@@ -702,14 +589,9 @@ void norm_backward(const at::Tensor& grad, const at::Tensor& z, const at::Tensor
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, z.scalar_type(), "norm_backward", [&] {
     using out_t = scalar_t;
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad_input.scalar_type(), "norm_backward", [&] {
-      if constexpr (std::is_same_v<at::opmath_type<out_t>, float> && std::is_same_v<at::opmath_type<scalar_t>, float>) {
-        norm_backward_float_kernel(grad.const_data_ptr<out_t>(), z.const_data_ptr<out_t>(), rstd.const_data_ptr<float>(),
-                                   rstd.numel(), dim, center, grad_input.mutable_data_ptr<scalar_t>());
-      } else {
-        norm_backward_kernel(grad.const_data_ptr<out_t>(), z.const_data_ptr<out_t>(),
-                             rstd.const_data_ptr<at::opmath_type<out_t>>(), rstd.numel(), dim, center,
-                             grad_input.mutable_data_ptr<scalar_t>());
-      }
+      norm_backward_kernel(grad.const_data_ptr<out_t>(), z.const_data_ptr<out_t>(),
+                           rstd.const_data_ptr<at::opmath_type<out_t>>(), rstd.numel(), dim, center,
+                           grad_input.mutable_data_ptr<scalar_t>());
     });
   });
 }
