@@ -35,7 +35,7 @@ def _own_share_of_load() -> float:
     return min(time.process_time() / elapsed, 1.0) * (1 - math.exp(-elapsed / 60))
 
 
-# The 1-minute load average of the other processes when this one started timing.
+# The 1-minute load average of the other processes when this benchmark started (read at import).
 LOAD_AT_START = max(os.getloadavg()[0] - _own_share_of_load(), 0.0)
 MAX_LOAD = 0.5  # machine-wide: above it, other processes share the cores and the memory bandwidth
 # of a reference op's run-to-run times, interquartile range / median: 8-16% on a quiet 2-core VM here

@@ -58,9 +58,8 @@ def _affine_grads(
     if needs_z:
         grad_z = grad_y if gamma is None else grad_y.to(gamma.dtype) * (gamma + offset if offset else gamma)
     if needs_gamma:
-        rows = _rows(grad_y, gamma)
-        reusable = owned and grad_z is not grad_y and rows.dtype == torch.promote_types(rows.dtype, z.dtype)
-        grad_gamma = (rows.mul_(_rows(z, gamma)) if reusable else rows * _rows(z, gamma)).sum(0)
+        rows, z_rows = _rows(grad_y, gamma), _rows(z, gamma)  # both in gamma's dtype
+        grad_gamma = (rows.mul_(z_rows) if owned else rows * z_rows).sum(0)
     return grad_z, grad_gamma, grad_beta
 
 
