@@ -65,7 +65,7 @@ def kernel_calls(name: str, x: torch.Tensor, g: torch.Tensor) -> dict[str, tuple
     z, rstd = impl.norm_forward(x, dim, 1e-5, center, x.dtype)
     return {
         "fwd": (lambda: impl.norm_forward(x, dim, 1e-5, center, x.dtype), 2 * n * size + 4 * rows),
-        "bwd": (lambda: impl.norm_backward(g, z, rstd, dim, center, x.dtype), 3 * n * size + 4 * rows),
+        "bwd": (lambda: impl.norm_backward(g, z, rstd, None, dim, center, x.dtype, False), 3 * n * size + 4 * rows),
     }
 
 

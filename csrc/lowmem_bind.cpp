@@ -83,8 +83,9 @@ std::tuple<at::Tensor, at::Tensor> norm_forward_op(const at::Tensor& x, int64_t 
   return {z, rstd};
 }
 
-at::Tensor norm_backward_op(const at::Tensor& grad, const at::Tensor& z, const at::Tensor& rstd, int64_t dim,
-                            bool center, at::ScalarType dtype) {
+std::tuple<at::Tensor, at::Tensor> norm_backward_op(const at::Tensor& grad, const at::Tensor& z, const at::Tensor& rstd,
+                                                    const std::optional<at::Tensor>& scale, int64_t dim, bool center,
+                                                    at::ScalarType dtype, bool column_sums) {
   check_float("norm_backward", "grad", grad);
   check_float("norm_backward", "z", z);
   check_tensor("norm_backward", "rstd", rstd);
@@ -92,13 +93,22 @@ at::Tensor norm_backward_op(const at::Tensor& grad, const at::Tensor& z, const a
   TORCH_CHECK_VALUE(grad.sizes() == z.sizes(), "norm_backward: grad shape ", grad.sizes(), " differs from output shape ",
                     z.sizes());
   const int64_t rows = rows_of("norm_backward", z, dim);
-  TORCH_CHECK_VALUE(rstd.numel() == rows && rstd.scalar_type() == accumulate_type(z.scalar_type()),
-                    "norm_backward: expected ", rows, " rstd values of dtype ", accumulate_type(z.scalar_type()),
-                    ", got ", rstd.numel(), " of ", rstd.scalar_type());
+  const at::ScalarType acc = accumulate_type(z.scalar_type());
+  TORCH_CHECK_VALUE(rstd.numel() == rows && rstd.scalar_type() == acc, "norm_backward: expected ", rows,
+                    " rstd values of dtype ", acc, ", got ", rstd.numel(), " of ", rstd.scalar_type());
+  at::Tensor scale_values;
+  if (scale.has_value()) {
+    check_tensor("norm_backward", "scale", *scale);
+    TORCH_CHECK_VALUE(scale->numel() == dim && scale->scalar_type() == acc, "norm_backward: expected ", dim,
+                      " scale values of dtype ", acc, ", got ", scale->numel(), " of ", scale->scalar_type());
+    scale_values = scale->contiguous();
+  }
   at::Tensor g = grad.to(z.scalar_type()).contiguous();
   at::Tensor grad_input = at::empty(z.sizes(), z.options().dtype(dtype));
-  if (rows > 0) norm_backward(g, z.contiguous(), rstd.contiguous(), dim, center, grad_input);
-  return grad_input;
+  at::Tensor sums = column_sums ? at::zeros({2, dim}, rstd.options()) : at::empty({0}, rstd.options());
+  at::Tensor sums_out = column_sums ? sums : at::Tensor();
+  if (rows > 0) norm_backward(g, z.contiguous(), rstd.contiguous(), scale_values, dim, center, grad_input, sums_out);
+  return {grad_input, sums};
 }
 
 Activation activation_of(c10::string_view kind) {

@@ -434,14 +434,21 @@ void norm_forward_kernel(const T* x, int64_t rows, int64_t dim, double eps, bool
   });
 }
 
-// Rows in parallel; per row the sums of g and g*z, then dx: two passes over the row, the second from cache.
-template <typename U, typename T>
-void norm_backward_kernel(const U* grad, const U* z, const at::opmath_type<U>* rstd, int64_t rows, int64_t dim,
-                          bool center, T* grad_input) {
+// Rows in parallel; per row the sums of g' = g*scale and g'*z, then dx: two passes over the row, the second
+// from cache. kSums: the second pass also adds g*z and g into its thread's own column sums (stock LayerNorm's
+// gamma / beta gradients), which are added up at the end.
+template <bool kScale, bool kSums, typename U, typename T>
+void norm_backward_kernel(const U* grad, const U* z, const at::opmath_type<U>* rstd, const at::opmath_type<U>* scale,
+                          int64_t rows, int64_t dim, bool center, T* grad_input, at::opmath_type<U>* sums) {
   using acc_t = at::opmath_type<U>;
   using Vec = Vectorized<acc_t>;
   constexpr int64_t kStep = 2 * Vec::size();
+  const int threads = kSums ? at::get_num_threads() : 0;
+  std::vector<acc_t> partial(kSums ? 2 * dim * threads : 0, acc_t(0));
+  const auto scaled = [&](Vec g, int64_t i) { return kScale ? g * Vec::loadu(scale + i) : g; };
   at::parallel_for(0, rows, row_grain(dim), [&](int64_t begin, int64_t end) {
+    acc_t* sum_gz = kSums ? partial.data() + 2 * dim * at::get_thread_num() : nullptr;
+    acc_t* sum_g = kSums ? sum_gz + dim : nullptr;
     for (int64_t row = begin; row < end; ++row) {
       const U* g = grad + row * dim;
       const U* zr = z + row * dim;
@@ -449,8 +456,10 @@ void norm_backward_kernel(const U* grad, const U* z, const at::opmath_type<U>* r
       Vec sum_g0(0), sum_g1(0), sum_gz0(0), sum_gz1(0);
       int64_t i = 0;
       for (; i + kStep <= dim; i += kStep) {
-        const auto [g0, g1] = load_pair<acc_t>(g + i);
+        auto [g0, g1] = load_pair<acc_t>(g + i);
         const auto [z0, z1] = load_pair<acc_t>(zr + i);
+        g0 = scaled(g0, i);
+        g1 = scaled(g1, i + Vec::size());
         sum_g0 += g0;
         sum_g1 += g1;
         sum_gz0 = at::vec::fmadd(g0, z0, sum_gz0);
@@ -458,21 +467,41 @@ void norm_backward_kernel(const U* grad, const U* z, const at::opmath_type<U>* r
       }
       acc_t total_g = lane_sum(sum_g0 + sum_g1), total_gz = lane_sum(sum_gz0 + sum_gz1);
       for (int64_t k = i; k < dim; ++k) {
-        total_g += static_cast<acc_t>(g[k]);
-        total_gz += static_cast<acc_t>(g[k]) * static_cast<acc_t>(zr[k]);
+        const acc_t gk = static_cast<acc_t>(g[k]) * (kScale ? scale[k] : acc_t(1));
+        total_g += gk;
+        total_gz += gk * static_cast<acc_t>(zr[k]);
       }
       const acc_t mean_g = center ? total_g / acc_t(dim) : acc_t(0), mean_gz = total_gz / acc_t(dim), r = rstd[row];
       const Vec vr(r), vmean_g(mean_g), vmean_gz(mean_gz);
       for (i = 0; i + kStep <= dim; i += kStep) {
         const auto [g0, g1] = load_pair<acc_t>(g + i);
         const auto [z0, z1] = load_pair<acc_t>(zr + i);
-        store_pair<acc_t>(dx + i, norm_input_grad(g0, z0, vr, vmean_g, vmean_gz), norm_input_grad(g1, z1, vr, vmean_g, vmean_gz));
+        const int64_t j = i + Vec::size();
+        store_pair<acc_t>(dx + i, norm_input_grad(scaled(g0, i), z0, vr, vmean_g, vmean_gz),
+                          norm_input_grad(scaled(g1, j), z1, vr, vmean_g, vmean_gz));
+        if constexpr (kSums) {
+          at::vec::fmadd(g0, z0, Vec::loadu(sum_gz + i)).store(sum_gz + i);
+          at::vec::fmadd(g1, z1, Vec::loadu(sum_gz + j)).store(sum_gz + j);
+          (g0 + Vec::loadu(sum_g + i)).store(sum_g + i);
+          (g1 + Vec::loadu(sum_g + j)).store(sum_g + j);
+        }
       }
       for (; i < dim; ++i) {
-        dx[i] = static_cast<T>(norm_input_grad(static_cast<acc_t>(g[i]), static_cast<acc_t>(zr[i]), r, mean_g, mean_gz));
+        const acc_t gi = static_cast<acc_t>(g[i]), zi = static_cast<acc_t>(zr[i]);
+        dx[i] = static_cast<T>(norm_input_grad(gi * (kScale ? scale[i] : acc_t(1)), zi, r, mean_g, mean_gz));
+        if constexpr (kSums) {
+          sum_gz[i] += gi * zi;
+          sum_g[i] += gi;
+        }
       }
     }
   });
+  if constexpr (kSums) {
+    std::fill(sums, sums + 2 * dim, acc_t(0));
+    for (int t = 0; t < threads; ++t) {
+      for (int64_t k = 0; k < 2 * dim; ++k) sums[k] += partial[2 * dim * t + k];
+    }
+  }
 }
 
 // Transcendentals and select for activation_and_slope / gated_grads: std:: for scalars, at::vec for
@@ -584,14 +613,30 @@ void norm_forward(const at::Tensor& x, int64_t dim, double eps, bool center, at:
   });
 }
 
-void norm_backward(const at::Tensor& grad, const at::Tensor& z, const at::Tensor& rstd, int64_t dim, bool center,
-                   at::Tensor& grad_input) {
+void norm_backward(const at::Tensor& grad, const at::Tensor& z, const at::Tensor& rstd, const at::Tensor& scale,
+                   int64_t dim, bool center, at::Tensor& grad_input, at::Tensor& sums) {
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, z.scalar_type(), "norm_backward", [&] {
     using out_t = scalar_t;
+    using acc_t = at::opmath_type<out_t>;
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad_input.scalar_type(), "norm_backward", [&] {
-      norm_backward_kernel(grad.const_data_ptr<out_t>(), z.const_data_ptr<out_t>(),
-                           rstd.const_data_ptr<at::opmath_type<out_t>>(), rstd.numel(), dim, center,
-                           grad_input.mutable_data_ptr<scalar_t>());
+      const auto run = [&](auto has_scale, auto has_sums) {
+        norm_backward_kernel<decltype(has_scale)::value, decltype(has_sums)::value>(
+            grad.const_data_ptr<out_t>(), z.const_data_ptr<out_t>(), rstd.const_data_ptr<acc_t>(),
+            scale.defined() ? scale.const_data_ptr<acc_t>() : nullptr, rstd.numel(), dim, center,
+            grad_input.mutable_data_ptr<scalar_t>(), sums.defined() ? sums.mutable_data_ptr<acc_t>() : nullptr);
+      };
+      const auto with_sums = [&](auto has_scale) {
+        if (sums.defined()) {
+          run(has_scale, std::true_type());
+        } else {
+          run(has_scale, std::false_type());
+        }
+      };
+      if (scale.defined()) {
+        with_sums(std::true_type());
+      } else {
+        with_sums(std::false_type());
+      }
     });
   });
 }

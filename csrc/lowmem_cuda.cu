@@ -117,8 +117,9 @@ __global__ void norm_forward_kernel(const T* __restrict__ x, int64_t rows, int64
 
 template <typename U, typename T>
 __global__ void norm_backward_kernel(const U* __restrict__ grad, const U* __restrict__ z,
-                                     const at::opmath_type<U>* __restrict__ rstd, int64_t rows, int64_t dim, bool center,
-                                     T* __restrict__ grad_input) {
+                                     const at::opmath_type<U>* __restrict__ rstd,
+                                     const at::opmath_type<U>* __restrict__ scale, int64_t rows, int64_t dim,
+                                     bool center, T* __restrict__ grad_input) {
   using acc_t = at::opmath_type<U>;
   __shared__ acc_t shared[32];
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
@@ -126,7 +127,7 @@ __global__ void norm_backward_kernel(const U* __restrict__ grad, const U* __rest
     const U* zr = z + row * dim;
     acc_t sum_g = 0, sum_gz = 0;
     for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) {
-      const acc_t gi = static_cast<acc_t>(g[i]);
+      const acc_t gi = static_cast<acc_t>(g[i]) * (scale ? scale[i] : acc_t(1));
       sum_g += gi;
       sum_gz += gi * static_cast<acc_t>(zr[i]);
     }
@@ -134,8 +135,8 @@ __global__ void norm_backward_kernel(const U* __restrict__ grad, const U* __rest
     const acc_t mean_gz = block_sum(sum_gz, shared) / acc_t(dim);
     const acc_t r = rstd[row];
     for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) {
-      grad_input[row * dim + i] = static_cast<T>(
-          norm_input_grad(static_cast<acc_t>(g[i]), static_cast<acc_t>(zr[i]), r, mean_g, mean_gz));
+      const acc_t gi = static_cast<acc_t>(g[i]) * (scale ? scale[i] : acc_t(1));
+      grad_input[row * dim + i] = static_cast<T>(norm_input_grad(gi, static_cast<acc_t>(zr[i]), r, mean_g, mean_gz));
     }
   }
 }
@@ -233,20 +234,28 @@ void norm_forward(const at::Tensor& x, int64_t dim, double eps, bool center, at:
   });
 }
 
-void norm_backward(const at::Tensor& grad, const at::Tensor& z, const at::Tensor& rstd, int64_t dim, bool center,
-                   at::Tensor& grad_input) {
+// The column sums (gamma / beta gradients) are two ATen reductions here; the CPU kernel fuses them.
+void norm_backward(const at::Tensor& grad, const at::Tensor& z, const at::Tensor& rstd, const at::Tensor& scale,
+                   int64_t dim, bool center, at::Tensor& grad_input, at::Tensor& sums) {
   const c10::cuda::CUDAGuard guard(grad.device());
   const int64_t rows = rstd.numel();
   const int64_t blocks = std::min<int64_t>(rows, kMaxBlocks * 32);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, z.scalar_type(), "norm_backward", [&] {
     using out_t = scalar_t;
+    using acc_t = at::opmath_type<out_t>;
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad_input.scalar_type(), "norm_backward", [&] {
       norm_backward_kernel<out_t, scalar_t><<<blocks, norm_threads(dim), 0, c10::cuda::getCurrentCUDAStream()>>>(
-          grad.const_data_ptr<out_t>(), z.const_data_ptr<out_t>(), rstd.const_data_ptr<at::opmath_type<out_t>>(),
-          rows, dim, center, grad_input.mutable_data_ptr<scalar_t>());
+          grad.const_data_ptr<out_t>(), z.const_data_ptr<out_t>(), rstd.const_data_ptr<acc_t>(),
+          scale.defined() ? scale.const_data_ptr<acc_t>() : nullptr, rows, dim, center,
+          grad_input.mutable_data_ptr<scalar_t>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   });
+  if (sums.defined()) {
+    const at::Tensor g = grad.view({rows, dim}).to(sums.scalar_type());
+    sums[0].copy_((g * z.view({rows, dim}).to(sums.scalar_type())).sum(0));
+    sums[1].copy_(g.sum(0));
+  }
 }
 
 void gated_backward(const at::Tensor& grad, const at::Tensor& gate, const at::Tensor& second, const at::Tensor& act,

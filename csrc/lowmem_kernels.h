@@ -23,9 +23,10 @@ void step_scale(const at::Tensor& grad, const at::Tensor& packed, const double* 
 // Row-wise affine-free norm over the trailing `dim` elements; rstd holds one value per row.
 void norm_forward(const at::Tensor& x, int64_t dim, double eps, bool center, at::Tensor& z, at::Tensor& rstd);
 
-// Input gradient from the saved output z and rstd only.
-void norm_backward(const at::Tensor& grad, const at::Tensor& z, const at::Tensor& rstd, int64_t dim, bool center,
-                   at::Tensor& grad_input);
+// Input gradient of y = scale * z + beta from the saved output z and rstd only; an undefined `scale` is 1.
+// A defined `sums` (2 x dim, accumulate type) receives the column sums of grad * z and grad.
+void norm_backward(const at::Tensor& grad, const at::Tensor& z, const at::Tensor& rstd, const at::Tensor& scale,
+                   int64_t dim, bool center, at::Tensor& grad_input, at::Tensor& sums);
 
 // Gradients of h = act(gate) * up (kind: silu, gelu or gelu_tanh) from grad = dL/dh. An undefined `act`:
 // `second` is up and act is evaluated here; else `act` holds the forward's act(gate) and `second` is h,

@@ -36,7 +36,10 @@ def op_samples(dtype: torch.dtype) -> dict[str, list[tuple]]:
         "act_codes": [(x, GELU_2BIT.thresholds), (x, four_bit), (x[..., :7], (0.0,))],
         "act_backward": [(x, torch_ops.act_codes(x, SILU_2BIT.thresholds), SILU_2BIT.levels)],
         "norm_forward": [(x, 40, 1e-5, True, dtype), (x, 40, 1e-6, False, torch.float32)],
-        "norm_backward": [(torch.randn_like(x), z, rstd, 40, True, dtype)],
+        "norm_backward": [
+            (torch.randn_like(x), z, rstd, None, 40, True, dtype, False),
+            (torch.randn_like(x), z, rstd, torch.randn(40), 40, False, torch.float32, True),
+        ],
         "gated_backward": [(x, gate, up, "silu", None), (x, gate, act * up, "gelu", act)],
         "stock_activation": [(gate, "gelu_tanh"), (gate[..., ::2], "silu")],
     }

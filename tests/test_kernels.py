@@ -83,10 +83,14 @@ def test_norm_matches_reference(kernel_backend, center, dtype, out_dtype):
         torch.testing.assert_close(z, ref_z, **half_tolerance(out_dtype))
         torch.testing.assert_close(rstd, ref_rstd)
         g = torch.randn(shape, dtype=torch.float64).to(dtype=out_dtype, device=device)
-        got = ext.norm_backward(g, ref_z, ref_rstd, dim, center, dtype)
-        want = torch_ops.norm_backward(g, ref_z, ref_rstd, dim, center, dtype)
-        assert got.dtype == dtype
-        torch.testing.assert_close(got, want, **half_tolerance(out_dtype))
+        scale = torch.randn(dim, dtype=rstd.dtype, device=device)
+        for affine in (None, scale):
+            for column_sums in (False, True):
+                got, sums = ext.norm_backward(g, ref_z, ref_rstd, affine, dim, center, dtype, column_sums)
+                want, want_sums = torch_ops.norm_backward(g, ref_z, ref_rstd, affine, dim, center, dtype, column_sums)
+                assert got.dtype == dtype and sums.dtype == rstd.dtype and sums.shape == want_sums.shape
+                torch.testing.assert_close(got, want, **half_tolerance(out_dtype))
+                torch.testing.assert_close(sums, want_sums, rtol=1e-5, atol=1e-5 * (g.numel() // dim + 1))
 
 
 def test_norm_non_contiguous_inputs(kernel_backend):
@@ -96,10 +100,12 @@ def test_norm_non_contiguous_inputs(kernel_backend):
     torch.testing.assert_close(z, F.layer_norm(x, (48,)))
     grad = torch.randn(48, device=device).expand(40, 48)
     ref_z, ref_rstd = torch_ops.norm_forward(x.contiguous(), 48, 1e-5, True, x.dtype)
-    torch.testing.assert_close(
-        ext.norm_backward(grad, z, rstd, 48, True, x.dtype),
-        torch_ops.norm_backward(grad, ref_z, ref_rstd, 48, True, x.dtype),
-    )
+    scale = torch.randn(96, device=device)[::2]  # strided too
+    for got, want in zip(
+        ext.norm_backward(grad, z, rstd, scale, 48, True, x.dtype, True),
+        torch_ops.norm_backward(grad, ref_z, ref_rstd, scale, 48, True, x.dtype, True),
+    ):
+        torch.testing.assert_close(got, want)
 
 
 def test_ops_on_compiled_backend_match_stock_modules(kernel_backend, monkeypatch):

@@ -15,6 +15,17 @@ NORMS = {
     "layer": (ms_layer_norm, lambda x, shape, eps: F.layer_norm(x, shape, eps=eps)),
     "rms": (ms_rms_norm, lambda x, shape, eps: F.rms_norm(x, shape, eps=eps)),
 }
+# with their affine: the stock functions' own weight / bias arguments
+AFFINE_NORMS = {
+    "layer": (
+        lambda x, shape, w, b: ms_layer_norm(x, shape, 1e-5, weight=w, bias=b),
+        lambda x, shape, w, b: F.layer_norm(x, shape, w, b, eps=1e-5),
+    ),
+    "rms": (
+        lambda x, shape, w, b: ms_rms_norm(x, shape, 1e-5, weight=w),
+        lambda x, shape, w, b: F.rms_norm(x, shape, w, eps=1e-5),
+    ),
+}
 CASES = [((3, 8), (8,)), ((2, 5, 16), (16,)), ((2, 3, 4, 6), (4, 6)), ((7, 33), (33,)), ((1, 1), (1,))]
 TOLERANCE = {torch.float32: {"rtol": 1e-5, "atol": 1e-5}, torch.bfloat16: {"rtol": 2e-2, "atol": 2e-2}}
 
@@ -25,6 +36,46 @@ def test_gradcheck_fp64(kind, shape, normalized):
     ours, _ = NORMS[kind]
     x = torch.randn(shape, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda t: ours(t, normalized, 1e-5), (x,))
+
+
+@pytest.mark.parametrize("kind", NORMS)
+@pytest.mark.parametrize("shape, normalized", CASES)
+def test_gradcheck_fp64_with_affine(kind, shape, normalized):
+    ours, _ = AFFINE_NORMS[kind]
+    x = torch.randn(shape, dtype=torch.float64, requires_grad=True)
+    w, b = (torch.randn(normalized, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    assert torch.autograd.gradcheck(lambda *t: ours(*t[:1], normalized, *t[1:]), (x, w, b))
+
+
+@pytest.mark.parametrize("kind", NORMS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("input_grad", [True, False], ids=["input_grad", "frozen_input"])
+def test_affine_gradients_match_stock(kind, dtype, input_grad):
+    """One kernel pass gives the input, weight and bias gradients; an input that needs no gradient keeps no
+    rstd (the affine's gradients need only the saved output)."""
+    ours, stock = AFFINE_NORMS[kind]
+    x = (torch.randn(4, 5, 48) * 3 + 1).to(dtype).requires_grad_(input_grad)
+    params = [torch.nn.Parameter(torch.randn(48)), torch.nn.Parameter(torch.randn(48))]  # the meter skips them
+    grad = torch.randn(4, 5, 48).to(dtype)
+    with SavedTensorMeter() as meter:
+        y = ours(x, (48,), *params)
+    want_bytes = y.numel() * y.element_size() + (20 * 4 if input_grad else 0)
+    assert meter.total_bytes == want_bytes and y.dtype == dtype
+    inputs = [x, *params] if input_grad else params
+    got = torch.autograd.grad(y, inputs, grad, allow_unused=True)
+    expected_y = stock(x.float(), (48,), *params).to(dtype)
+    want = torch.autograd.grad(expected_y, inputs, grad, allow_unused=True)
+    torch.testing.assert_close(y, expected_y, **TOLERANCE[dtype])
+    for a, b in zip(got, want):
+        if b is None:  # RMSNorm has no bias
+            assert a is None
+        else:
+            torch.testing.assert_close(a, b, **TOLERANCE[dtype])
+
+
+def test_parameter_of_the_wrong_size_is_refused():
+    with pytest.raises(ValueError, match="ms_layer_norm: weight of shape \\[7\\] does not match"):
+        ms_layer_norm(torch.randn(3, 8), 8, weight=torch.ones(7))
 
 
 @pytest.mark.parametrize("kind", NORMS)

@@ -64,7 +64,8 @@ def launches() -> list[tuple[triton.runtime.JITFunction, tuple, dict]]:
         for center in (True, False) if variants else (True,):
             z, rstd = torch_ops.norm_forward(x, 64, 1e-5, center, dtype)
             triton_ops.norm_forward(x, 64, 1e-5, center, dtype)
-            triton_ops.norm_backward(z, z, rstd, 64, center, torch.float32)
+            triton_ops.norm_backward(z, z, rstd, None, 64, center, torch.float32, False)
+            triton_ops.norm_backward(z, z, rstd, rstd.new_ones(64), 64, center, torch.float32, True)
         triton_ops.norm_forward(x.float(), 64, 1e-5, True, dtype)
         for kind in torch_ops.GATED_KINDS if variants else ("silu",):
             for act in (None, x) if variants else (x,):

@@ -29,7 +29,10 @@ SCHEMAS = {
     "act_codes": "(Tensor x, float[] thresholds) -> Tensor",
     "act_backward": "(Tensor grad, Tensor packed, float[] levels) -> Tensor",
     "norm_forward": "(Tensor x, int dim, float eps, bool center, ScalarType out_dtype) -> (Tensor, Tensor)",
-    "norm_backward": "(Tensor grad, Tensor z, Tensor rstd, int dim, bool center, ScalarType dtype) -> Tensor",
+    "norm_backward": (
+        "(Tensor grad, Tensor z, Tensor rstd, Tensor? scale, int dim, bool center, ScalarType dtype, bool column_sums)"
+        " -> (Tensor, Tensor)"
+    ),
     "gated_backward": "(Tensor grad, Tensor gate, Tensor second, str kind, Tensor? act) -> (Tensor, Tensor)",
     "stock_activation": "(Tensor x, str kind) -> Tensor",
 }
@@ -62,9 +65,17 @@ def _norm_forward_fake(
 
 @torch.library.register_fake(f"{NAMESPACE}::norm_backward")
 def _norm_backward_fake(
-    grad: torch.Tensor, z: torch.Tensor, rstd: torch.Tensor, dim: int, center: bool, dtype: torch.dtype
-) -> torch.Tensor:
-    return z.new_empty(z.shape, dtype=dtype)
+    grad: torch.Tensor,
+    z: torch.Tensor,
+    rstd: torch.Tensor,
+    scale: torch.Tensor | None,
+    dim: int,
+    center: bool,
+    dtype: torch.dtype,
+    column_sums: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    sums = rstd.new_empty((2, dim) if column_sums else (0,))
+    return z.new_empty(z.shape, dtype=dtype), sums
 
 
 @torch.library.register_fake(f"{NAMESPACE}::gated_backward")

@@ -18,8 +18,13 @@ same five functions with the same contract, so the autograd functions in
   normalized over its trailing ``dim`` elements; ``z`` (shape of ``x``, ``out_dtype``) is the
   affine-free output and ``rstd`` (one per row, fp32, fp64 for fp64 input) the reciprocal
   standard deviation. ``center`` selects LayerNorm (True) or RMSNorm (False).
-- ``norm_backward(grad, z, rstd, dim, center, dtype) -> grad_input``: the paper's
-  algorithms 2-3 from the saved output and rstd only, returned in ``dtype``.
+- ``norm_backward(grad, z, rstd, scale, dim, center, dtype, column_sums) -> (grad_input, sums)``:
+  the gradients of ``y = scale * z + beta`` (the norm with its affine; ``grad`` is ``dL/dy`` in
+  ``z``'s dtype): the paper's algorithms 2-3 applied to ``grad * scale`` (``scale``: ``dim``
+  values in the accumulate dtype, or None for none), from the saved output and rstd only,
+  returned in ``dtype``; with ``column_sums``, ``sums`` holds ``sum(grad * z)`` and ``sum(grad)``
+  over the rows (the gradients of ``gamma`` and ``beta``; shape ``(2, dim)``, accumulate dtype),
+  else it is empty. One pass computes what stock LayerNorm's backward computes.
 - ``gated_backward(grad, gate, second, kind, act) -> (grad_gate, grad_up)``: gradients of
   ``h = act(gate) * up`` (all tensors one dtype and shape; ``kind`` is ``"silu"``, ``"gelu"`` or
   ``"gelu_tanh"``), computed in fp32 (fp64 for fp64) with ``act'`` evaluated from ``gate``. With
@@ -171,12 +176,21 @@ def norm_forward(
 
 
 def norm_backward(
-    grad: torch.Tensor, z: torch.Tensor, rstd: torch.Tensor, dim: int, center: bool, dtype: torch.dtype
-) -> torch.Tensor:
-    g = grad.reshape(-1, dim).to(rstd.dtype)
+    grad: torch.Tensor,
+    z: torch.Tensor,
+    rstd: torch.Tensor,
+    scale: torch.Tensor | None,
+    dim: int,
+    center: bool,
+    dtype: torch.dtype,
+    column_sums: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    grad_y = grad.reshape(-1, dim).to(rstd.dtype)
     za = z.reshape(-1, dim).to(rstd.dtype)
+    sums = torch.stack(((grad_y * za).sum(0), grad_y.sum(0))) if column_sums else rstd.new_empty(0)
+    g = grad_y if scale is None else grad_y * scale
     projection = (g * za).mean(-1, keepdim=True)
     if center:
         g = g - g.mean(-1, keepdim=True)
     grad_input = rstd.unsqueeze(-1) * (g - za * projection)
-    return grad_input.to(dtype).reshape(z.shape)
+    return grad_input.to(dtype).reshape(z.shape), sums

@@ -88,8 +88,10 @@ def _norm_forward_kernel(x_ptr, z_ptr, rstd_ptr, dim, eps, CENTER: tl.constexpr,
 
 
 @triton.jit
-def _norm_backward_kernel(grad_ptr, z_ptr, rstd_ptr, out_ptr, dim, CENTER: tl.constexpr, BLOCK: tl.constexpr):
-    # Paper, algorithms 2-3: dx = rstd * (g - mean(g) - z * mean(g*z)); RMSNorm drops mean(g).
+def _norm_backward_kernel(
+    grad_ptr, z_ptr, rstd_ptr, scale_ptr, out_ptr, dim, CENTER: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK: tl.constexpr
+):
+    # Paper, algorithms 2-3 on g = dL/dy * scale: dx = rstd * (g - mean(g) - z * mean(g*z)); RMSNorm drops mean(g).
     row = tl.program_id(0).to(tl.int64)
     grad_ptr += row * dim
     z_ptr += row * dim
@@ -100,6 +102,8 @@ def _norm_backward_kernel(grad_ptr, z_ptr, rstd_ptr, out_ptr, dim, CENTER: tl.co
     for start in range(0, dim, BLOCK):
         inside = start + cols < dim
         g = tl.load(grad_ptr + start + cols, mask=inside, other=0.0).to(tl.float32)
+        if HAS_SCALE:
+            g *= tl.load(scale_ptr + start + cols, mask=inside, other=0.0)
         z = tl.load(z_ptr + start + cols, mask=inside, other=0.0).to(tl.float32)
         sum_g += g
         sum_gz += g * z
@@ -111,6 +115,8 @@ def _norm_backward_kernel(grad_ptr, z_ptr, rstd_ptr, out_ptr, dim, CENTER: tl.co
     for start in range(0, dim, BLOCK):
         inside = start + cols < dim
         g = tl.load(grad_ptr + start + cols, mask=inside, other=0.0).to(tl.float32)
+        if HAS_SCALE:
+            g *= tl.load(scale_ptr + start + cols, mask=inside, other=0.0)
         z = tl.load(z_ptr + start + cols, mask=inside, other=0.0).to(tl.float32)
         dx = rstd * ((g - mean_g) - z * mean_gz)
         tl.store(out_ptr + start + cols, dx.to(out_ptr.dtype.element_ty), mask=inside)
@@ -268,10 +274,18 @@ def norm_forward(
 
 
 def norm_backward(
-    grad: torch.Tensor, z: torch.Tensor, rstd: torch.Tensor, dim: int, center: bool, dtype: torch.dtype
-) -> torch.Tensor:
+    grad: torch.Tensor,
+    z: torch.Tensor,
+    rstd: torch.Tensor,
+    scale: torch.Tensor | None,
+    dim: int,
+    center: bool,
+    dtype: torch.dtype,
+    column_sums: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The column sums (gamma / beta gradients) are two torch reductions here; the CPU kernel fuses them."""
     if z.dtype == torch.float64:
-        return torch_ops.norm_backward(grad, z, rstd, dim, center, dtype)
+        return torch_ops.norm_backward(grad, z, rstd, scale, dim, center, dtype, column_sums)
     _check_float("norm_backward", "grad", grad)
     _check_float("norm_backward", "z", z)
     if grad.shape != z.shape:
@@ -281,16 +295,23 @@ def norm_backward(
         raise ValueError(
             f"norm_backward: expected {rows} rstd values of dtype float32, got {rstd.numel()} of {rstd.dtype}"
         )
+    if scale is not None and (scale.numel() != dim or scale.dtype != torch.float32):
+        raise ValueError(f"norm_backward: expected {dim} scale values of dtype float32, got {scale.numel()} of {scale.dtype}")
+    grad = grad.to(z.dtype).contiguous()
     grad_input = torch.empty(z.shape, dtype=dtype, device=z.device)
+    sums = rstd.new_zeros(2, dim) if column_sums else rstd.new_empty(0)
     if rows == 0:
-        return grad_input
+        return grad_input, sums
     block, warps = _norm_settings(dim)
     with _launching_on("norm_backward", z):
         _norm_backward_kernel[(rows,)](
-            grad.contiguous(), z.contiguous(), rstd.contiguous(), grad_input, dim, CENTER=center, BLOCK=block,
-            num_warps=warps,
+            grad, z.contiguous(), rstd.contiguous(), rstd if scale is None else scale.contiguous(), grad_input, dim,
+            CENTER=center, HAS_SCALE=scale is not None, BLOCK=block, num_warps=warps,
         )  # fmt: skip
-    return grad_input
+    if column_sums:
+        g = grad.view(rows, dim).float()
+        torch.stack(((g * z.view(rows, dim).float()).sum(0), g.sum(0)), out=sums)
+    return grad_input, sums
 
 
 def gated_backward(

@@ -1,8 +1,7 @@
 """Memory-sharing norm modules (MS-LN, MS-RMSNorm) over :mod:`lightning_lowmem.ops.norm`.
 
 A memory-sharing norm saves its affine-free output ``z`` (and one fp32 rstd per row) instead of
-its input, and returns the stock output ``y = gamma * z + beta`` (:func:`~lightning_lowmem.ops.norm_affine`,
-which saves nothing new) tagged with ``z``. Every reader of ``y`` sees the stock values: residual
+its input, and returns the stock output ``y = gamma * z + beta`` tagged with ``z``. Every reader of ``y`` sees the stock values: residual
 adds, returned hidden states, hooks, anything. A :class:`~lightning_lowmem.nn.LowMemLinear` built
 with ``norm=`` this module recognises the tag and saves ``z`` in place of ``y``: the norm and all its
 consumer linears keep one tensor. ``weight`` / ``bias`` keep their stock names, so checkpoints load
@@ -17,13 +16,12 @@ model adds it to the residual stream, that stream continues in the compute dtype
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import nn
 
-from lightning_lowmem.ops.affine import norm_affine
-from lightning_lowmem.ops.norm import ms_layer_norm, ms_rms_norm
+from lightning_lowmem.ops.norm import memory_sharing_norm
 
 _TAG = "_lowmem_shared_from"  # tensor attribute: (norm module, z, version) on a norm's output
 
@@ -71,7 +69,7 @@ class MemorySharingNorm(nn.Module):
     """Shared plumbing of the two norms: shape, eps, affine, ``from_module``, the tagged output."""
 
     stock: type[nn.Module]  # the torch module ``from_module`` takes
-    op: Callable[..., torch.Tensor]  # the functional op
+    center: bool  # LayerNorm (subtracts the mean) or RMSNorm
 
     def __init__(
         self,
@@ -101,8 +99,8 @@ class MemorySharingNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps
-        z = self.op(x, self.normalized_shape, eps)
-        y = norm_affine(z, self.weight, self.bias, z.dtype, self.weight_offset)  # z's dtype: autocast's under it
+        name = "ms_layer_norm" if self.center else "ms_rms_norm"
+        y, z = memory_sharing_norm(x, self.normalized_shape, eps, self.center, self.weight, self.bias, self.weight_offset, name)
         if torch.is_grad_enabled():  # only a training forward saves anything worth sharing
             setattr(y, _TAG, (self, None if y is z else z, y._version))  # no reference cycle through y itself
         return y
@@ -116,7 +114,7 @@ class MSLayerNorm(MemorySharingNorm):
     """LayerNorm that saves its normalized output, shared with the linear layers reading it."""
 
     stock = nn.LayerNorm
-    op = staticmethod(ms_layer_norm)
+    center = True
 
     def __init__(
         self,
@@ -136,7 +134,7 @@ class MSRMSNorm(MemorySharingNorm):
     """
 
     stock = nn.RMSNorm
-    op = staticmethod(ms_rms_norm)
+    center = False
 
     def __init__(
         self,

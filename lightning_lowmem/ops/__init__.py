@@ -1,7 +1,7 @@
 """Autograd ops: the bottom layer, on top of the kernel backends."""
 
 from lightning_lowmem.ops.activation import regelu2, resilu2, step_activation
-from lightning_lowmem.ops.affine import affine_linear, norm_affine
+from lightning_lowmem.ops.affine import affine_linear
 from lightning_lowmem.ops.gated import gated_activation
 from lightning_lowmem.ops.norm import ms_layer_norm, ms_rms_norm
 
@@ -10,7 +10,6 @@ __all__ = [
     "gated_activation",
     "ms_layer_norm",
     "ms_rms_norm",
-    "norm_affine",
     "regelu2",
     "resilu2",
     "step_activation",

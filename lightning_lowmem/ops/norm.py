@@ -1,9 +1,13 @@
 """Memory-sharing LayerNorm / RMSNorm (paper, section 5 and appendix H).
 
-The norm saves its own affine-free output ``z`` and one rstd per row. ``z`` is the very
-tensor a following linear layer saves as its input, so the pair costs one activation
-instead of two. Under autocast the output is returned in the autocast dtype, otherwise
-the linear would save its own cast copy and nothing would be shared.
+The norm saves its own affine-free output ``z`` and one rstd per row, and returns the stock output
+``y = (gamma + offset) * z + beta``. ``z`` is the very tensor a following linear layer saves in place
+of ``y`` (:func:`~lightning_lowmem.ops.affine_linear`), so the pair costs one activation instead of
+two. Its backward takes ``dL/dy`` from every reader and computes the input, ``gamma`` and ``beta``
+gradients in one kernel pass, as stock LayerNorm's does. ``offset`` is added to ``gamma`` inside the
+op (Gemma's RMSNorm scales by ``1 + weight``), so that nothing but the parameter itself is saved.
+Under autocast the output is returned in the autocast dtype, otherwise the linear would save its
+own cast copy and nothing would be shared.
 """
 
 from __future__ import annotations
@@ -14,28 +18,66 @@ from collections.abc import Sequence
 import torch
 
 from lightning_lowmem import kernels
-from lightning_lowmem.ops._checks import check_float_tensor, needs_graph, refuse_double_backward
+from lightning_lowmem.kernels.torch_ops import accumulate_dtype
+from lightning_lowmem.ops._checks import check_float_tensor, refuse_double_backward
 from lightning_lowmem.ops.autocast import autocast_dtype
 
 _AUTOCAST_INPUTS = (torch.float32, torch.float16, torch.bfloat16)
 
 
+def _affine(z: torch.Tensor, gamma: torch.Tensor | None, beta: torch.Tensor | None, offset: float) -> torch.Tensor:
+    """``(gamma + offset) * z + beta`` in the parameters' precision, returned in ``z``'s dtype (autocast leaves
+    these ops alone)."""
+    param = gamma if gamma is not None else beta
+    out = z.to(param.dtype)
+    scale = None if gamma is None else gamma + offset if offset else gamma
+    if scale is not None and beta is not None:
+        out = torch.addcmul(beta, out, scale)  # one pass
+    elif scale is not None:
+        out = out * scale
+    else:
+        out = out + beta
+    return out.to(z.dtype)
+
+
 class MemorySharingNorm(torch.autograd.Function):
-    """Affine-free norm whose backward needs only its output and rstd."""
+    """Norm and affine that save only the affine-free output ``z`` and rstd. Returns ``(y, z)``, ``z``
+    without a gradient of its own (readers that save it take ``dL/dy``), or ``z`` alone with no affine."""
 
     @staticmethod
-    def forward(ctx, x, dim: int, eps: float, center: bool, out_dtype: torch.dtype, name: str):
+    def forward(ctx, x, gamma, beta, dim: int, eps: float, center: bool, out_dtype: torch.dtype, offset: float, name):
         z, rstd = kernels.implementation(x.device).norm_forward(x, dim, eps, center, out_dtype)
-        ctx.save_for_backward(z, rstd)
-        ctx.dim, ctx.center, ctx.in_dtype, ctx.name = dim, center, x.dtype, name
-        return z
+        # an input that needs no gradient (the first norm on frozen embeddings) keeps no rstd: the affine's
+        # gradients need z only
+        ctx.save_for_backward(z, rstd if ctx.needs_input_grad[0] else None, gamma, beta)
+        ctx.dim, ctx.center, ctx.in_dtype, ctx.offset, ctx.name = dim, center, x.dtype, offset, name
+        if gamma is None and beta is None:
+            return z
+        y = _affine(z, gamma, beta, offset)
+        ctx.mark_non_differentiable(z)
+        ctx.set_materialize_grads(False)  # z never gets a gradient: no zeros to make for it
+        return y, z
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
+    def backward(ctx, grad: torch.Tensor | None, _=None):
+        if grad is None:  # nothing read y (e.g. only the rows' z went on)
+            return (None,) * 9
         refuse_double_backward(ctx.name)
-        z, rstd = ctx.saved_tensors
-        grad_input = kernels.implementation(grad.device).norm_backward(grad, z, rstd, ctx.dim, ctx.center, ctx.in_dtype)
-        return grad_input, None, None, None, None, None
+        z, rstd, gamma, beta = ctx.saved_tensors
+        needs_input, needs_gamma, needs_beta = ctx.needs_input_grad[:3]
+        if needs_input:
+            scale = None
+            if gamma is not None:
+                scale = (gamma + ctx.offset if ctx.offset else gamma).to(accumulate_dtype(z.dtype))
+            grad_input, sums = kernels.implementation(grad.device).norm_backward(
+                grad, z, rstd, scale, ctx.dim, ctx.center, ctx.in_dtype, needs_gamma or needs_beta
+            )
+        else:
+            grad_rows = grad.reshape(-1, ctx.dim).to(accumulate_dtype(z.dtype))
+            grad_input, sums = None, ((grad_rows * z.reshape(-1, ctx.dim)).sum(0), grad_rows.sum(0))
+        grad_gamma = sums[0].to(gamma.dtype).view(gamma.shape) if needs_gamma else None
+        grad_beta = sums[1].to(beta.dtype).view(beta.shape) if needs_beta else None
+        return grad_input, grad_gamma, grad_beta, None, None, None, None, None, None
 
 
 def output_dtype(x: torch.Tensor) -> torch.dtype:
@@ -54,26 +96,58 @@ def _normalized_size(name: str, x: torch.Tensor, normalized_shape: int | Sequenc
     return math.prod(shape)
 
 
-def _apply(name: str, x: torch.Tensor, normalized_shape, eps: float, center: bool) -> torch.Tensor:
+def _check_parameter(name: str, which: str, param: torch.Tensor | None, shape: Sequence[int]) -> None:
+    if param is not None and tuple(param.shape) != tuple(shape):
+        raise ValueError(f"{name}: {which} of shape {list(param.shape)} does not match normalized_shape {list(shape)}")
+
+
+def memory_sharing_norm(
+    x: torch.Tensor,
+    normalized_shape: int | Sequence[int],
+    eps: float,
+    center: bool,
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    weight_offset: float = 0.0,
+    name: str = "memory_sharing_norm",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(y, z)``: the norm's stock output ``y = (weight + weight_offset) * z + bias`` and the affine-free ``z``
+    it saves (``y`` is ``z`` with no affine). LayerNorm with ``center``, else RMSNorm."""
     check_float_tensor(name, x)
     dim = _normalized_size(name, x, normalized_shape)
+    for which, param in (("weight", weight), ("bias", bias)):
+        if param is not None and param.numel() != dim:
+            raise ValueError(f"{name}: {which} of shape {list(param.shape)} does not match normalized_shape")
     if not eps > 0:
         raise ValueError(f"{name}: eps must be positive, got {eps}")
     out_dtype = output_dtype(x)
+    affine = weight is not None or bias is not None
     if x.numel() == 0:  # nothing to normalize (no rows, or rows of 0 elements): as stock, an empty output
-        return x.to(dtype=out_dtype, copy=True)
+        z = x.to(dtype=out_dtype, copy=True)
+        return (_affine(z, weight, bias, weight_offset) if affine else z), z
     x = x.contiguous()
-    if not needs_graph(x):
-        z, _ = kernels.implementation(x.device).norm_forward(x, dim, eps, center, out_dtype)
-        return z
-    return MemorySharingNorm.apply(x, dim, float(eps), center, out_dtype, name)
+    inputs = (x, weight, bias)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs):
+        out = MemorySharingNorm.apply(*inputs, dim, float(eps), center, out_dtype, float(weight_offset), name)
+        return out if affine else (out, out)
+    z, _ = kernels.implementation(x.device).norm_forward(x, dim, eps, center, out_dtype)
+    return (_affine(z, weight, bias, weight_offset) if affine else z), z
 
 
-def ms_layer_norm(x: torch.Tensor, normalized_shape: int | Sequence[int], eps: float = 1e-5) -> torch.Tensor:
-    """Affine-free LayerNorm that saves only its output and an fp32 rstd per row."""
-    return _apply("ms_layer_norm", x, normalized_shape, eps, center=True)
+def ms_layer_norm(
+    x: torch.Tensor,
+    normalized_shape: int | Sequence[int],
+    eps: float = 1e-5,
+    *,
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``F.layer_norm`` that saves only its affine-free output and an fp32 rstd per row."""
+    return memory_sharing_norm(x, normalized_shape, eps, True, weight, bias, name="ms_layer_norm")[0]
 
 
-def ms_rms_norm(x: torch.Tensor, normalized_shape: int | Sequence[int], eps: float = 1e-6) -> torch.Tensor:
-    """Affine-free RMSNorm that saves only its output and an fp32 rstd per row."""
-    return _apply("ms_rms_norm", x, normalized_shape, eps, center=False)
+def ms_rms_norm(
+    x: torch.Tensor, normalized_shape: int | Sequence[int], eps: float = 1e-6, *, weight: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``F.rms_norm`` that saves only its affine-free output and an fp32 rstd per row."""
+    return memory_sharing_norm(x, normalized_shape, eps, False, weight, name="ms_rms_norm")[0]
