@@ -45,15 +45,16 @@ _timed = False  # whether this process took timings (a section of memory numbers
 
 
 def interleaved_median(fns: dict[str, Callable[[], object]], repeats: int = 20, warmup: int = 3) -> dict[str, float]:
-    """Median wall time (seconds) of each function, run round-robin so drift hits all alike."""
+    """Median wall time (seconds) of each function, run round-robin (in reverse order every other round, so that
+    neither always runs first) so drift hits all alike."""
     global _timed
     _timed = True
     for _ in range(warmup):
         for fn in fns.values():
             fn()
     samples: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
+    for round_ in range(repeats):
+        for name, fn in list(fns.items())[:: 1 if round_ % 2 == 0 else -1]:
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
             start = time.perf_counter()

@@ -74,3 +74,11 @@ def test_memory_numbers_need_no_quiet_machine(tmp_path, monkeypatch):
     monkeypatch.setattr(common, "LOAD_AT_START", 5.0)
     assert common.write_section("saved_bytes", "| table |", "python benchmarks/saved_bytes.py", path)
     assert "| table |" in path.read_text() and "load" not in path.read_text()
+
+
+def test_interleaved_rounds_alternate_which_function_runs_first():
+    from benchmarks import common
+
+    calls: list[str] = []
+    common.interleaved_median({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, repeats=3, warmup=0)
+    assert calls == ["a", "b", "b", "a", "a", "b"]
