@@ -36,17 +36,45 @@ void check_float(const char* op, const char* name, const at::Tensor& t) {
 // Bytes holding numel codes of `bits` bits each.
 int64_t packed_size(int64_t numel, int bits) { return (numel * bits + 7) / 8; }
 
+void check_thresholds(const char* op, at::ArrayRef<double> thresholds) {
+  TORCH_CHECK_VALUE(storage_bits(static_cast<int64_t>(thresholds.size())) > 0, op,
+                    ": expected 1 to 15 thresholds (1-4 bit codes), got ", thresholds.size());
+  for (size_t t = 1; t < thresholds.size(); ++t) {
+    TORCH_CHECK_VALUE(thresholds[t - 1] <= thresholds[t], op, ": thresholds must be ascending");
+  }
+}
+
+at::Tensor packed_for(const at::Tensor& x, at::ArrayRef<double> thresholds) {
+  const int bits = storage_bits(static_cast<int64_t>(thresholds.size()));
+  return at::empty({packed_size(x.numel(), bits)}, x.options().dtype(at::kByte));
+}
+
 // Codes only: the activation itself is the caller's (the stock op, bit-exact by construction).
 at::Tensor act_codes_op(const at::Tensor& x, at::ArrayRef<double> thresholds) {
   check_float("act_codes", "x", x);
-  const int bits = storage_bits(static_cast<int64_t>(thresholds.size()));
-  TORCH_CHECK_VALUE(bits > 0, "act_codes: expected 1 to 15 thresholds (1-4 bit codes), got ", thresholds.size());
-  for (size_t t = 1; t < thresholds.size(); ++t) {
-    TORCH_CHECK_VALUE(thresholds[t - 1] <= thresholds[t], "act_codes: thresholds must be ascending");
-  }
-  at::Tensor packed = at::empty({packed_size(x.numel(), bits)}, x.options().dtype(at::kByte));
+  check_thresholds("act_codes", thresholds);
+  at::Tensor packed = packed_for(x, thresholds);
   if (x.numel() > 0) act_codes(x.contiguous(), thresholds.data(), thresholds.size(), packed);
   return packed;
+}
+
+Activation activation_of(const char* op, c10::string_view kind) {
+  TORCH_CHECK_VALUE(kind == "silu" || kind == "gelu" || kind == "gelu_tanh", op, ": unknown activation kind '", kind,
+                    "'; expected gelu, gelu_tanh or silu");
+  return kind == "silu" ? Activation::kSilu : kind == "gelu" ? Activation::kGelu : Activation::kGeluTanh;
+}
+
+// The stock activation's output and the codes of x, in one pass where the device has one.
+std::tuple<at::Tensor, at::Tensor> act_forward_op(const at::Tensor& x, c10::string_view kind,
+                                                  at::ArrayRef<double> thresholds) {
+  check_float("act_forward", "x", x);
+  const Activation activation = activation_of("act_forward", kind);
+  check_thresholds("act_forward", thresholds);
+  at::Tensor xc = x.contiguous();
+  at::Tensor y = at::empty_like(xc, at::MemoryFormat::Contiguous);
+  at::Tensor packed = packed_for(x, thresholds);
+  if (x.numel() > 0) act_forward(xc, activation, thresholds.data(), thresholds.size(), y, packed);
+  return {y, packed};
 }
 
 at::Tensor act_backward_op(const at::Tensor& grad, const at::Tensor& packed, at::ArrayRef<double> levels) {
@@ -111,12 +139,6 @@ std::tuple<at::Tensor, at::Tensor> norm_backward_op(const at::Tensor& grad, cons
   return {grad_input, sums};
 }
 
-Activation activation_of(c10::string_view kind) {
-  TORCH_CHECK_VALUE(kind == "silu" || kind == "gelu" || kind == "gelu_tanh", "gated_backward: unknown activation kind '",
-                    kind, "'; expected gelu, gelu_tanh or silu");
-  return kind == "silu" ? Activation::kSilu : kind == "gelu" ? Activation::kGelu : Activation::kGeluTanh;
-}
-
 void check_like(const char* name, const at::Tensor& t, const at::Tensor& grad) {
   check_float("gated_backward", name, t);
   TORCH_CHECK_VALUE(t.sizes() == grad.sizes(), "gated_backward: shapes differ: grad ", grad.sizes(), ", ", name, " ",
@@ -129,7 +151,7 @@ std::tuple<at::Tensor, at::Tensor> gated_backward_op(const at::Tensor& grad, con
                                                      const at::Tensor& second, c10::string_view kind,
                                                      const std::optional<at::Tensor>& act) {
   check_float("gated_backward", "grad", grad);
-  const Activation activation = activation_of(kind);
+  const Activation activation = activation_of("gated_backward", kind);
   check_like("gate", gate, grad);
   check_like("second", second, grad);
   at::Tensor forward_act;
@@ -157,6 +179,7 @@ std::tuple<at::Tensor, at::Tensor> gated_backward_op(const at::Tensor& grad, con
 
 TORCH_LIBRARY_IMPL(lowmem, LOWMEM_DISPATCH_KEY, m) {
   m.impl("act_codes", &lowmem::act_codes_op);
+  m.impl("act_forward", &lowmem::act_forward_op);
   m.impl("act_backward", &lowmem::act_backward_op);
   m.impl("norm_forward", &lowmem::norm_forward_op);
   m.impl("norm_backward", &lowmem::norm_backward_op);

@@ -180,36 +180,71 @@ class VecCodes {
 #endif
 };
 
-// Packed codes of float, half and bfloat16 elements in one pass over x, straight from registers. Tasks
-// cover whole vectors of T; the last one has the tail.
+// Packed codes of x[from, last) straight from registers; `from` is a multiple of the vector length (so of
+// the codes per byte), the last range has the tail: a partial last byte padded with zero codes.
 template <int kBits, typename T>
-void act_codes_vectorized(const T* x, int64_t numel, const float* thresholds, uint8_t* packed) {
+void codes_range(const T* x, int64_t from, int64_t last, const VecCodes<kBits>& codes_of, const float* thresholds,
+                 uint8_t* packed) {
   using fVec = Vectorized<float>;
   constexpr int64_t kStep = std::is_same_v<T, float> ? fVec::size() : 2 * fVec::size();
   constexpr int P = Packing<kBits>::kPerByte;
   const auto byte_of = [&](int64_t i) { return packed + i * kBits / 8; };
+  int64_t i = from;
+  for (; i + kStep <= last; i += kStep) {
+    if constexpr (std::is_same_v<T, float>) {
+      codes_of(fVec::loadu(x + i), byte_of(i));
+    } else {
+      auto [x0, x1] = at::vec::convert_to_float<T>(Vectorized<T>::loadu(x + i));
+      codes_of(x0, byte_of(i));
+      codes_of(x1, byte_of(i + fVec::size()));
+    }
+  }
+  for (int64_t j = i / P; j * P < last; ++j) {
+    uint8_t byte = 0;
+    for (int slot = 0; slot < P && j * P + slot < last; ++slot) {
+      byte |= static_cast<uint8_t>(step_code<kBits>(static_cast<float>(x[j * P + slot]), thresholds) << (kBits * slot));
+    }
+    packed[j] = byte;
+  }
+}
+
+// Packed codes of float, half and bfloat16 elements in one pass over x. Tasks cover whole vectors of T.
+template <int kBits, typename T>
+void act_codes_vectorized(const T* x, int64_t numel, const float* thresholds, uint8_t* packed) {
+  constexpr int64_t kStep = std::is_same_v<T, float> ? Vectorized<float>::size() : 2 * Vectorized<float>::size();
   at::parallel_for(0, (numel + kStep - 1) / kStep, 4096 / kStep, [&](int64_t begin, int64_t end) {
     const VecCodes<kBits> codes_of(thresholds);  // a task's own: the byte stores cannot alias it
-    const int64_t last = std::min(numel, end * kStep);
-    int64_t i = begin * kStep;
-    for (; i + kStep <= last; i += kStep) {
-      if constexpr (std::is_same_v<T, float>) {
-        codes_of(fVec::loadu(x + i), byte_of(i));
-      } else {
-        auto [x0, x1] = at::vec::convert_to_float<T>(Vectorized<T>::loadu(x + i));
-        codes_of(x0, byte_of(i));
-        codes_of(x1, byte_of(i + fVec::size()));
+    codes_range<kBits>(x, begin * kStep, std::min(numel, end * kStep), codes_of, thresholds, packed);
+  });
+}
+
+// F.silu(x) of fp32 x, bit for bit, and its codes in one pass over x. The output repeats ATen's own SiLU
+// kernel exactly: the same tasks (parallel_for over the elements with ATen's grain), in each the same
+// expression on pairs of vectors and std::exp on the task's tail. The codes go by blocks that follow it
+// while x is in cache, over ranges cut at multiples of 64 elements so that no two tasks share a byte.
+template <int kBits>
+void silu_codes_kernel(const float* x, int64_t numel, const float* thresholds, float* y, uint8_t* packed) {
+  using Vec = Vectorized<float>;
+  constexpr int64_t kPair = 2 * Vec::size(), kBlock = 8192;
+  const Vec one(1.0f);
+  at::parallel_for(0, numel, at::internal::GRAIN_SIZE, [&](int64_t begin, int64_t end) {
+    const VecCodes<kBits> codes_of(thresholds);
+    const int64_t vector_end = begin + (end - begin) / kPair * kPair;
+    auto silu_until = [&, i = begin](int64_t stop) mutable {
+      for (; i < std::min(stop, vector_end); i += kPair) {
+        const Vec x0 = Vec::loadu(x + i), x1 = Vec::loadu(x + i + Vec::size());
+        (x0 / (one + x0.neg().exp())).store(y + i);
+        (x1 / (one + x1.neg().exp())).store(y + i + Vec::size());
       }
+      for (; i < std::min(stop, end); ++i) y[i] = x[i] / (1.0f + std::exp(-x[i]));
+    };
+    const int64_t codes_begin = begin / 64 * 64, codes_end = end == numel ? numel : end / 64 * 64;
+    for (int64_t from = codes_begin; from < codes_end; from += kBlock) {
+      const int64_t to = std::min(codes_end, from + kBlock);
+      silu_until(to);
+      codes_range<kBits>(x, from, to, codes_of, thresholds, packed);
     }
-    if (i < last) {  // the tail's bytes, a partial last byte padded with zero codes
-      for (int64_t j = i / P; j * P < last; ++j) {
-        uint8_t byte = 0;
-        for (int slot = 0; slot < P && j * P + slot < last; ++slot) {
-          byte |= static_cast<uint8_t>(step_code<kBits>(static_cast<float>(x[j * P + slot]), thresholds) << (kBits * slot));
-        }
-        packed[j] = byte;
-      }
-    }
+    silu_until(end);
   });
 }
 
@@ -592,6 +627,26 @@ void act_codes(const at::Tensor& x, const double* thresholds_in, int64_t count, 
       act_codes_kernel<kBits>(x.const_data_ptr<scalar_t>(), x.numel(), thresholds, packed.mutable_data_ptr<uint8_t>());
     });
   });
+}
+
+void act_forward(const at::Tensor& x, Activation kind, const double* thresholds, int64_t count, at::Tensor& y,
+                 at::Tensor& packed) {
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+  if (kind == Activation::kSilu && x.scalar_type() == at::kFloat) {
+    dispatch_bits(storage_bits(count), [&](auto bits) {
+      constexpr int kBits = decltype(bits)::value;
+      float steps[Packing<kBits>::kThresholds];
+      for (int t = 0; t < Packing<kBits>::kThresholds; ++t) {
+        steps[t] = t < count ? float(thresholds[t]) : std::numeric_limits<float>::infinity();
+      }
+      silu_codes_kernel<kBits>(x.const_data_ptr<float>(), x.numel(), steps, y.mutable_data_ptr<float>(),
+                               packed.mutable_data_ptr<uint8_t>());
+    });
+    return;
+  }
+#endif
+  stock_activation_out(x, kind, y);
+  act_codes(x, thresholds, count, packed);
 }
 
 void step_scale(const at::Tensor& grad, const at::Tensor& packed, const double* levels, int64_t count, at::Tensor& out) {

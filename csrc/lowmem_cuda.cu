@@ -234,6 +234,12 @@ void norm_forward(const at::Tensor& x, int64_t dim, double eps, bool center, at:
   });
 }
 
+void act_forward(const at::Tensor& x, Activation kind, const double* thresholds, int64_t count, at::Tensor& y,
+                 at::Tensor& packed) {
+  stock_activation_out(x, kind, y);
+  act_codes(x, thresholds, count, packed);
+}
+
 // The column sums (gamma / beta gradients) are two ATen reductions here; the CPU kernel fuses them.
 void norm_backward(const at::Tensor& grad, const at::Tensor& z, const at::Tensor& rstd, const at::Tensor& scale,
                    int64_t dim, bool center, at::Tensor& grad_input, at::Tensor& sums) {

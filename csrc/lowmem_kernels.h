@@ -17,6 +17,20 @@ extern const c10::DeviceType kKernelDevice;
 // (see storage_bits), thresholds compared in x's accumulate type.
 void act_codes(const at::Tensor& x, const double* thresholds, int64_t count, at::Tensor& packed);
 
+// y = the stock activation `kind` of x, as F.silu / F.gelu compute it, bit for bit, and the codes of x as
+// act_codes writes them; a device may compute both in one pass.
+void act_forward(const at::Tensor& x, Activation kind, const double* thresholds, int64_t count, at::Tensor& y,
+                 at::Tensor& packed);
+
+// y = the stock ATen activation `kind` of x.
+inline void stock_activation_out(const at::Tensor& x, Activation kind, at::Tensor& y) {
+  if (kind == Activation::kSilu) {
+    at::silu_out(y, x);
+  } else {
+    at::gelu_out(y, x, kind == Activation::kGeluTanh ? "tanh" : "none");
+  }
+}
+
 // out[i] = grad[i] * levels[code(i)] over `count` levels, computed in grad's accumulate type.
 void step_scale(const at::Tensor& grad, const at::Tensor& packed, const double* levels, int64_t count, at::Tensor& out);
 

@@ -34,6 +34,7 @@ def op_samples(dtype: torch.dtype) -> dict[str, list[tuple]]:
     act = torch_ops.stock_activation(gate, "gelu")
     return {
         "act_codes": [(x, GELU_2BIT.thresholds), (x, four_bit), (x[..., :7], (0.0,))],
+        "act_forward": [(x, "silu", SILU_2BIT.thresholds), (x[..., :7], "gelu_tanh", (0.0,))],
         "act_backward": [(x, torch_ops.act_codes(x, SILU_2BIT.thresholds), SILU_2BIT.levels)],
         "norm_forward": [(x, 40, 1e-5, True, dtype), (x, 40, 1e-6, False, torch.float32)],
         "norm_backward": [
@@ -152,8 +153,10 @@ def test_the_compiled_forward_saves_the_codes_and_the_shared_output():
     norms = [e for e in report.converted if e.kind == "norm"]
     saved, graph = saved_by_compiled_forward(model, example)
     producers = [str(produced_by(n).target) for n in saved]
-    gelu_inputs = {produced_by(n.args[0]) for n in graph.nodes if n.target is torch.ops.aten.gelu.default}
-    assert len(gelu_inputs) == 2 and producers.count("lowmem.act_codes.default") == 2  # one per block
-    assert not gelu_inputs & {produced_by(n) for n in saved}
+    gelus = [n for n in graph.nodes if n.target is torch.ops.lowmem.act_forward.default]  # GELU and its codes
+    codes = [n for n in saved if n.target is operator.getitem and n.args == (produced_by(n), 1) and n.args[0] in gelus]
+    assert len(gelus) == 2 and len(codes) == 2  # one per block
+    assert producers.count("lowmem.act_forward.default") == 4  # and each GELU output, which fc2 saves as stock
+    assert not {produced_by(n.args[0]) for n in gelus} & {produced_by(n) for n in saved}  # no GELU input
     assert len(norms) == 5 and producers.count("lowmem.norm_forward.default") == 2 * len(norms)  # z, rstd of each
     assert "aten.native_layer_norm.default" not in producers  # no stock LayerNorm statistics, no norm input

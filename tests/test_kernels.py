@@ -56,6 +56,33 @@ def test_codes_and_backward_match_reference_bit_for_bit(kernel_backend, table, d
         assert got.dtype == dtype and torch.equal(got, torch_ops.act_backward(g, packed, step.levels)), n
 
 
+# around ATen's parallel grain (32768 elements per task) and a task's vector tail, in one and two threads
+FORWARD_SIZES = [1, 7, 63, 64, 65, 1000, 32767, 32768, 32769, 65537, 3 * 32768 + 17, 8 * 197 * 768 + 5]
+
+
+@pytest.mark.parametrize("kind", torch_ops.GATED_KINDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_act_forward_is_the_stock_activation_bit_for_bit_and_its_codes(kernel_backend, kind, dtype, threads):
+    """The CPU kernels compute fp32 SiLU and its codes in one pass, repeating ATen's own kernel: its output must
+    be F.silu's to the bit, whatever the size, the tails and the threads."""
+    if kernel_backend.name == "triton" and dtype == torch.float64:
+        pytest.skip("fp64 runs the torch path on Triton")
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for bits, step in ((2, SILU_2BIT), (1, (0.0,)), (4, tuple(float(t) for t in torch.linspace(-4, 4, 15)))):
+            thresholds = step.thresholds if bits == 2 else step
+            for n in FORWARD_SIZES if kernel_backend.name == "cpp" else FORWARD_SIZES[:6]:  # the interpreter is slow
+                x = spread((n,), dtype, kernel_backend.device)
+                y, packed = kernel_backend.module.act_forward(x, kind, thresholds)
+                assert torch.equal(y, torch_ops.stock_activation(x, kind)), (n, bits)
+                assert torch.equal(packed, torch_ops.act_codes(x, thresholds)), (n, bits)
+                assert y.dtype == dtype
+    finally:
+        torch.set_num_threads(previous)
+
+
 def test_codes_of_non_contiguous_inputs(kernel_backend):
     ext, step, device = kernel_backend.module, GELU_2BIT, kernel_backend.device
     base = spread((37, 64), torch.float32, device)

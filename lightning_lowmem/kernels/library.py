@@ -27,6 +27,7 @@ from lightning_lowmem.kernels import torch_ops
 NAMESPACE = "lowmem"
 SCHEMAS = {
     "act_codes": "(Tensor x, float[] thresholds) -> Tensor",
+    "act_forward": "(Tensor x, str kind, float[] thresholds) -> (Tensor, Tensor)",
     "act_backward": "(Tensor grad, Tensor packed, float[] levels) -> Tensor",
     "norm_forward": "(Tensor x, int dim, float eps, bool center, ScalarType out_dtype) -> (Tensor, Tensor)",
     "norm_backward": (
@@ -47,6 +48,11 @@ for _name, _schema in SCHEMAS.items():
 def _act_codes_fake(x: torch.Tensor, thresholds: list[float]) -> torch.Tensor:
     bits = torch_ops.storage_bits(len(thresholds))
     return x.new_empty(torch_ops.packed_bytes(x.numel(), bits), dtype=torch.uint8)
+
+
+@torch.library.register_fake(f"{NAMESPACE}::act_forward")
+def _act_forward_fake(x: torch.Tensor, kind: str, thresholds: list[float]) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty_like(x, memory_format=torch.contiguous_format), _act_codes_fake(x, thresholds)
 
 
 @torch.library.register_fake(f"{NAMESPACE}::act_backward")

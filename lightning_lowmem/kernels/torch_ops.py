@@ -1,7 +1,7 @@
 """Pure-PyTorch reference implementation of the low-memory kernels.
 
 Every backend (this one, the C++ and CUDA extensions, and the Triton kernels) implements the
-same five functions with the same contract, so the autograd functions in
+same functions with the same contract, so the autograd functions in
 :mod:`lightning_lowmem.ops` never know which one runs:
 
 - ``act_codes(x, thresholds) -> packed``: the uint8 buffer of ``ceil(numel*k/8)`` bytes holding
@@ -11,6 +11,9 @@ same five functions with the same contract, so the autograd functions in
   ``k*(i % (8/k))`` of byte ``i // (8/k)`` (the legacy 2-bit layout is ``n = 3``). Thresholds are
   compared in fp32 (fp64 for fp64 input). The activation itself is no kernel's business: the op
   computes it with the stock PyTorch function, so any activation works with the codes.
+- ``act_forward(x, kind, thresholds) -> (y, packed)``: for a contiguous ``x``, ``y`` is ``stock_activation(x, kind)`` bit
+  for bit (``kind``: ``"silu"``, ``"gelu"`` or ``"gelu_tanh"``) and ``packed`` is ``act_codes(x,
+  thresholds)``; a backend may compute both in one pass (the CPU kernels do for fp32 SiLU).
 - ``act_backward(grad, packed, levels) -> grad_input``: ``grad * levels[code]``, computed in
   fp32 (fp64 for fp64 grads) and returned in ``grad``'s dtype and shape; ``len(levels)`` is
   ``len(thresholds) + 1``, which fixes the storage bits.
@@ -113,6 +116,10 @@ def act_codes(x: torch.Tensor, thresholds: tuple[float, ...]) -> torch.Tensor:
     for threshold in thresholds:
         codes += xa > threshold
     return pack_codes(codes, bits)
+
+
+def act_forward(x: torch.Tensor, kind: str, thresholds: tuple[float, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    return stock_activation(x, kind).contiguous(), act_codes(x, thresholds)
 
 
 def act_backward(grad: torch.Tensor, packed: torch.Tensor, levels: tuple[float, ...]) -> torch.Tensor:

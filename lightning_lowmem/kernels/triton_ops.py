@@ -220,6 +220,11 @@ def act_codes(x: torch.Tensor, thresholds: tuple[float, ...]) -> torch.Tensor:
     return packed
 
 
+def act_forward(x: torch.Tensor, kind: str, thresholds: tuple[float, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The stock activation (ATen's CUDA kernel), then the codes kernel."""
+    return torch_ops.stock_activation(x, kind).contiguous(), act_codes(x, thresholds)
+
+
 def act_backward(grad: torch.Tensor, packed: torch.Tensor, levels: tuple[float, ...]) -> torch.Tensor:
     if grad.dtype == torch.float64:
         return torch_ops.act_backward(grad, packed, levels)

@@ -20,12 +20,17 @@ _GELU_KINDS = {"none": "gelu", "tanh": "gelu_tanh"}
 
 
 class StepDerivativeActivation(torch.autograd.Function):
-    """Stock activation forward; backward multiplies by a step derivative of k-bit codes."""
+    """Stock activation forward; backward multiplies by a step derivative of k-bit codes. ``kind``: the kernels'
+    id of the activation (for a contiguous input they then compute output and codes in one call, in one pass
+    where they can), or None for ``stock`` and a separate codes pass."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, stock: Callable, step: StepDerivative, name: str) -> torch.Tensor:
-        y = stock(x)
-        packed = kernels.implementation(x.device).act_codes(x, step.thresholds)
+    def forward(ctx, x: torch.Tensor, stock: Callable, kind: str | None, step: StepDerivative, name: str):
+        impl = kernels.implementation(x.device)
+        if kind is None or not x.is_contiguous():  # a strided input: the stock op's own layout and element order
+            y, packed = stock(x), impl.act_codes(x, step.thresholds)
+        else:
+            y, packed = impl.act_forward(x, kind, step.thresholds)
         ctx.save_for_backward(packed)
         ctx.levels = step.levels
         ctx.name = name
@@ -36,7 +41,7 @@ class StepDerivativeActivation(torch.autograd.Function):
         refuse_double_backward(ctx.name)
         (packed,) = ctx.saved_tensors
         grad_input = kernels.implementation(grad.device).act_backward(grad, packed, ctx.levels)
-        return grad_input, None, None, None
+        return grad_input, None, None, None, None
 
 
 def _apply(op: str, x: torch.Tensor, activation: str, bits: int) -> torch.Tensor:
@@ -45,7 +50,7 @@ def _apply(op: str, x: torch.Tensor, activation: str, bits: int) -> torch.Tensor
     check_float_tensor(op, x)
     if not needs_graph(x):
         return entry.stock(x)
-    return StepDerivativeActivation.apply(x, entry.stock, step, op)
+    return StepDerivativeActivation.apply(x, entry.stock, entry.name if entry.gated else None, step, op)
 
 
 def step_activation(x: torch.Tensor, activation: str = "gelu", bits: int = 2) -> torch.Tensor:
