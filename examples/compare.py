@@ -3,8 +3,10 @@
 Fine-tunes a timm ViT on scikit-learn's bundled digits twice from the same seed, once with
 stock backpropagation and once with ``LowMemBP`` + ``LowMemPrecision``, and prints, for each run:
 the activation memory (saved-for-backward bytes of a training step), the peak CUDA memory on a
-GPU, the step time (median and interquartile range) and the last epoch's validation accuracy and
-loss. It writes the same per epoch to ``compare.json`` and draws it in ``compare.png`` under
+GPU, the step time (median and interquartile range during the runs, and the median of the two
+trained models' steps timed in alternation afterwards: the runs follow one another, so a shared
+machine's drift lands in their times, not in the alternated ones) and the last epoch's validation
+accuracy and loss. It writes the same per epoch to ``compare.json`` and draws it in ``compare.png`` under
 ``--root``. Nothing is downloaded.
 
     python examples/compare.py                              # about 1 minute on a 2-core CPU
@@ -72,8 +74,8 @@ class ValidationRecorder(Callback):
         self.loss.append(float(trainer.callback_metrics["val/loss"]))
 
 
-def run(lowmem: bool, args: argparse.Namespace) -> dict[str, Any]:
-    """One fine-tuning run; its figures per epoch and its step times."""
+def run(lowmem: bool, args: argparse.Namespace) -> tuple[dict[str, Any], pl.LightningModule]:
+    """One fine-tuning run: its figures per epoch and its step times, and the trained model."""
     pl.seed_everything(args.seed, verbose=False)
     monitor, timer, validation = PeakMemoryMonitor(activation_every_n_steps=10), StepTimer(), ValidationRecorder()
     trainer = pl.Trainer(
@@ -99,7 +101,40 @@ def run(lowmem: bool, args: argparse.Namespace) -> dict[str, Any]:
     }
     if "cuda_allocated" in monitor.history[0]["train"]:
         result["cuda_allocated_mib"] = [row["train"]["cuda_allocated"] for row in monitor.history]
-    return result
+    return result, model
+
+
+def alternated_step_ms(models: dict[str, pl.LightningModule], args: argparse.Namespace, rounds: int = 30) -> dict:
+    """Training steps (forward, backward, AdamW) of the trained models on one batch, the two taking turns (who
+    goes first alternating too), after 3 warm-up steps each: per model the step times in ms."""
+    data = DigitsDataModule(img_size=args.img_size, batch_size=args.batch_size)
+    data.setup("fit")
+    images, labels = next(iter(data.train_dataloader()))
+    autocast = args.precision.startswith("bf16")
+    steps = {}
+    for name, model in models.items():
+        device = next(model.parameters()).device
+        batch = images.to(device), labels.to(device)
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-6)
+
+        def step(model=model, batch=batch, optimizer=optimizer, device=device) -> None:
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+                loss = torch.nn.functional.cross_entropy(model(batch[0]).float(), batch[1])
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+
+        steps[name] = step
+    times = {name: [] for name in models}
+    for round_ in range(rounds + 3):
+        for name in list(steps)[:: 1 if round_ % 2 == 0 else -1]:
+            start = time.perf_counter()
+            steps[name]()
+            if round_ >= 3:
+                times[name].append(1000 * (time.perf_counter() - start))
+    return times
 
 
 def header(args: argparse.Namespace) -> dict[str, str]:
@@ -124,6 +159,8 @@ def table(runs: dict[str, dict[str, Any]]) -> str:
     median = [statistics.median(run["step_ms"]) if run["step_ms"] else float("nan") for run in (base, low)]
     rows.append(("step ms, median", f"{median[0]:.1f}", f"{median[1]:.1f}", _percent(*median)))
     rows.append(("step ms, IQR", _quartiles(base["step_ms"]), _quartiles(low["step_ms"]), ""))
+    alternated = [statistics.median(run["alternated_step_ms"]) for run in (base, low)]
+    rows.append(("step ms, alternated", f"{alternated[0]:.1f}", f"{alternated[1]:.1f}", _percent(*alternated)))
     acc = [100 * run["val_acc"][-1] for run in (base, low)]
     rows.append(("val acc %", f"{acc[0]:.1f}", f"{acc[1]:.1f}", f"{acc[1] - acc[0]:+.1f} pts"))
     loss = [run["val_loss"][-1] for run in (base, low)]
@@ -197,7 +234,11 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
     if args.limit_batches > 1:
         args.limit_batches = int(args.limit_batches)
 
-    runs = {"baseline": run(False, args), "lowmem": run(True, args)}
+    trained = {name: run(lowmem, args) for name, lowmem in (("baseline", False), ("lowmem", True))}
+    runs = {name: result for name, (result, _) in trained.items()}
+    alternated = alternated_step_ms({name: model for name, (_, model) in trained.items()}, args)
+    for name, times in alternated.items():
+        runs[name]["alternated_step_ms"] = times
     summary = {**header(args), "runs": runs}
     print(f"\n{summary['run']}\n{summary['device']}, lightning-lowmem kernels: {summary['kernels']}\n")
     print(table(runs))

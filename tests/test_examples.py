@@ -70,6 +70,12 @@ def test_main_job_prints_and_draws_the_comparison(capsys, tmp_path):
     assert re.search(rf"val acc %\s+{acc[0]:.1f}\s+{acc[1]:.1f}\s+{acc[1] - acc[0]:+.1f} pts", out)
     assert re.search(r"val loss\s+\S+\s+\S+\s+[+-]\d\.\d{3}\n", out)
     assert re.search(r"step ms, median\s+[\d.]+\s+[\d.]+\s+[+-][\d.]+%\nstep ms, IQR\s+[\d.]+-[\d.]+\s", out)
+    # and the trained models' steps timed in alternation, 30 each
+    assert len(base["alternated_step_ms"]) == len(low["alternated_step_ms"]) == 30
+    alternated = [statistics.median(run["alternated_step_ms"]) for run in (base, low)]
+    change = 100 * (alternated[1] / alternated[0] - 1)
+    cells = (f"{alternated[0]:.1f}", f"{alternated[1]:.1f}", f"{change:+.1f}%")
+    assert re.search(r"step ms, alternated\s+" + r"\s+".join(map(re.escape, cells)), out)
     assert "Activation memory saved by lightning-lowmem" in out
 
     figure = compare.figure(summary)
