@@ -531,8 +531,7 @@ void norm_backward_kernel(const U* grad, const U* z, const at::opmath_type<U>* r
       }
     }
   });
-  if constexpr (kSums) {
-    std::fill(sums, sums + 2 * dim, acc_t(0));
+  if constexpr (kSums) {  // into the caller's zeroed sums
     for (int t = 0; t < threads; ++t) {
       for (int64_t k = 0; k < 2 * dim; ++k) sums[k] += partial[2 * dim * t + k];
     }
@@ -615,16 +614,24 @@ void gated_backward_reduced_kernel(const T* grad, const T* gate, const T* second
 
 }  // namespace
 
+// The table's `count` thresholds in acc_t, the rest of the storage's slots +inf (codes never reach them).
+template <int kBits, typename acc_t>
+std::array<acc_t, Packing<kBits>::kThresholds> padded_thresholds(const double* thresholds, int64_t count) {
+  std::array<acc_t, Packing<kBits>::kThresholds> padded;
+  for (int t = 0; t < Packing<kBits>::kThresholds; ++t) {
+    padded[t] = t < count ? acc_t(thresholds[t]) : std::numeric_limits<acc_t>::infinity();
+  }
+  return padded;
+}
+
 void act_codes(const at::Tensor& x, const double* thresholds_in, int64_t count, at::Tensor& packed) {
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "act_codes", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     dispatch_bits(storage_bits(count), [&](auto bits) {
       constexpr int kBits = decltype(bits)::value;
-      acc_t thresholds[Packing<kBits>::kThresholds];
-      for (int t = 0; t < Packing<kBits>::kThresholds; ++t) {
-        thresholds[t] = t < count ? acc_t(thresholds_in[t]) : std::numeric_limits<acc_t>::infinity();
-      }
-      act_codes_kernel<kBits>(x.const_data_ptr<scalar_t>(), x.numel(), thresholds, packed.mutable_data_ptr<uint8_t>());
+      const auto thresholds = padded_thresholds<kBits, acc_t>(thresholds_in, count);
+      act_codes_kernel<kBits>(x.const_data_ptr<scalar_t>(), x.numel(), thresholds.data(),
+                              packed.mutable_data_ptr<uint8_t>());
     });
   });
 }
@@ -635,11 +642,8 @@ void act_forward(const at::Tensor& x, Activation kind, const double* thresholds,
   if (kind == Activation::kSilu && x.scalar_type() == at::kFloat) {
     dispatch_bits(storage_bits(count), [&](auto bits) {
       constexpr int kBits = decltype(bits)::value;
-      float steps[Packing<kBits>::kThresholds];
-      for (int t = 0; t < Packing<kBits>::kThresholds; ++t) {
-        steps[t] = t < count ? float(thresholds[t]) : std::numeric_limits<float>::infinity();
-      }
-      silu_codes_kernel<kBits>(x.const_data_ptr<float>(), x.numel(), steps, y.mutable_data_ptr<float>(),
+      const auto steps = padded_thresholds<kBits, float>(thresholds, count);
+      silu_codes_kernel<kBits>(x.const_data_ptr<float>(), x.numel(), steps.data(), y.mutable_data_ptr<float>(),
                                packed.mutable_data_ptr<uint8_t>());
     });
     return;

@@ -182,6 +182,12 @@ def norm_forward(
     return z, rstd.view(-1)
 
 
+def affine_grad_sums(grad: torch.Tensor, z: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor:
+    """``sum(grad * z)`` and ``sum(grad)`` over the rows, in ``dtype``: a norm's gamma and beta gradients."""
+    grad_rows, z_rows = grad.reshape(-1, dim).to(dtype), z.reshape(-1, dim).to(dtype)
+    return torch.stack(((grad_rows * z_rows).sum(0), grad_rows.sum(0)))
+
+
 def norm_backward(
     grad: torch.Tensor,
     z: torch.Tensor,
@@ -192,10 +198,10 @@ def norm_backward(
     dtype: torch.dtype,
     column_sums: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    grad_y = grad.reshape(-1, dim).to(rstd.dtype)
+    g = grad.reshape(-1, dim).to(rstd.dtype)
     za = z.reshape(-1, dim).to(rstd.dtype)
-    sums = torch.stack(((grad_y * za).sum(0), grad_y.sum(0))) if column_sums else rstd.new_empty(0)
-    g = grad_y if scale is None else grad_y * scale
+    sums = affine_grad_sums(grad, z, dim, rstd.dtype) if column_sums else rstd.new_empty(0)
+    g = g if scale is None else g * scale
     projection = (g * za).mean(-1, keepdim=True)
     if center:
         g = g - g.mean(-1, keepdim=True)

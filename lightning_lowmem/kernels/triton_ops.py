@@ -314,8 +314,7 @@ def norm_backward(
             CENTER=center, HAS_SCALE=scale is not None, BLOCK=block, num_warps=warps,
         )  # fmt: skip
     if column_sums:
-        g = grad.view(rows, dim).float()
-        torch.stack(((g * z.view(rows, dim).float()).sum(0), g.sum(0)), out=sums)
+        sums = torch_ops.affine_grad_sums(grad, z, dim, torch.float32)
     return grad_input, sums
 
 

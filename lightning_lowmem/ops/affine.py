@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from lightning_lowmem.ops.norm import affine_scale
+
 
 def _weight_grad(
     grad_2d: torch.Tensor,
@@ -37,7 +39,7 @@ def _weight_grad(
     # in place on our own product, widened first to the parameters' precision (autocast: fp32 norms)
     grad_w = grad_w.to(torch.promote_types(dtype, (gamma if gamma is not None else beta).dtype))
     if gamma is not None:
-        grad_w.mul_(gamma + offset if offset else gamma)
+        grad_w.mul_(affine_scale(gamma, offset))
     if beta is not None:
         grad_sum = grad_2d.sum(0) if grad_sum is None else grad_sum
         grad_w.addr_(grad_sum.to(grad_w.dtype), beta.to(grad_w.dtype))

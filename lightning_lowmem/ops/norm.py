@@ -18,11 +18,16 @@ from collections.abc import Sequence
 import torch
 
 from lightning_lowmem import kernels
-from lightning_lowmem.kernels.torch_ops import accumulate_dtype
+from lightning_lowmem.kernels.torch_ops import accumulate_dtype, affine_grad_sums
 from lightning_lowmem.ops._checks import check_float_tensor, refuse_double_backward
 from lightning_lowmem.ops.autocast import autocast_dtype
 
 _AUTOCAST_INPUTS = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def affine_scale(gamma: torch.Tensor, offset: float) -> torch.Tensor:
+    """``gamma + offset``, the norm's scale (Gemma's RMSNorm: ``1 + weight``); ``gamma`` itself without an offset."""
+    return gamma + offset if offset else gamma
 
 
 def _affine(z: torch.Tensor, gamma: torch.Tensor | None, beta: torch.Tensor | None, offset: float) -> torch.Tensor:
@@ -30,7 +35,7 @@ def _affine(z: torch.Tensor, gamma: torch.Tensor | None, beta: torch.Tensor | No
     these ops alone)."""
     param = gamma if gamma is not None else beta
     out = z.to(param.dtype)
-    scale = None if gamma is None else gamma + offset if offset else gamma
+    scale = None if gamma is None else affine_scale(gamma, offset)
     if scale is not None and beta is not None:
         out = torch.addcmul(beta, out, scale)  # one pass
     elif scale is not None:
@@ -65,16 +70,14 @@ class MemorySharingNorm(torch.autograd.Function):
         refuse_double_backward(ctx.name)
         z, rstd, gamma, beta = ctx.saved_tensors
         needs_input, needs_gamma, needs_beta = ctx.needs_input_grad[:3]
+        acc = accumulate_dtype(z.dtype)
         if needs_input:
-            scale = None
-            if gamma is not None:
-                scale = (gamma + ctx.offset if ctx.offset else gamma).to(accumulate_dtype(z.dtype))
+            scale = None if gamma is None else affine_scale(gamma, ctx.offset).to(acc)
             grad_input, sums = kernels.implementation(grad.device).norm_backward(
                 grad, z, rstd, scale, ctx.dim, ctx.center, ctx.in_dtype, needs_gamma or needs_beta
             )
         else:
-            grad_rows = grad.reshape(-1, ctx.dim).to(accumulate_dtype(z.dtype))
-            grad_input, sums = None, ((grad_rows * z.reshape(-1, ctx.dim)).sum(0), grad_rows.sum(0))
+            grad_input, sums = None, affine_grad_sums(grad, z, ctx.dim, acc)
         grad_gamma = sums[0].to(gamma.dtype).view(gamma.shape) if needs_gamma else None
         grad_beta = sums[1].to(beta.dtype).view(beta.shape) if needs_beta else None
         return grad_input, grad_gamma, grad_beta, None, None, None, None, None, None
@@ -94,11 +97,6 @@ def _normalized_size(name: str, x: torch.Tensor, normalized_shape: int | Sequenc
             f"got input of shape {list(x.shape)}"
         )
     return math.prod(shape)
-
-
-def _check_parameter(name: str, which: str, param: torch.Tensor | None, shape: Sequence[int]) -> None:
-    if param is not None and tuple(param.shape) != tuple(shape):
-        raise ValueError(f"{name}: {which} of shape {list(param.shape)} does not match normalized_shape {list(shape)}")
 
 
 def memory_sharing_norm(
