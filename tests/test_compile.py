@@ -43,11 +43,32 @@ def op_samples(dtype: torch.dtype) -> dict[str, list[tuple]]:
         ],
         "gated_backward": [(x, gate, up, "silu", None), (x, gate, act * up, "gelu", act)],
         "stock_activation": [(gate, "gelu_tanh"), (gate[..., ::2], "silu")],
+        **autograd_samples(x),
+    }
+
+
+def autograd_samples(x: torch.Tensor) -> dict[str, list[tuple]]:
+    """The operators with autograd in C++, on inputs that need gradients (opcheck checks their registration)."""
+    x = x.detach().requires_grad_()
+    dtype = x.dtype
+    weight, bias = (torch.randn(40, dtype=dtype, requires_grad=True) for _ in range(2))
+    z, _ = torch_ops.norm_forward(x.detach(), 40, 1e-5, True, dtype)
+    linear_weight, linear_bias = torch.randn(24, 40, requires_grad=True), torch.randn(24, requires_grad=True)
+    return {
+        "ms_norm": [
+            (x, weight, bias, 40, 1e-5, True, dtype, 0.0, "ms_layer_norm"),
+            (x, weight, None, 40, 1e-6, False, torch.float32, 1.0, "ms_rms_norm"),
+        ],
+        "affine_linear": [
+            (x, z, linear_weight, linear_bias, weight, bias, dtype, 0.0),
+            (x, None, linear_weight, None, None, None, torch.float32, 0.0),
+        ],
+        "step_activation": [(x, "gelu", GELU_2BIT.thresholds, GELU_2BIT.levels, "regelu2")],
     }
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("name", list(library.SCHEMAS))
+@pytest.mark.parametrize("name", [*library.SCHEMAS, *library.AUTOGRAD_SCHEMAS])
 def test_every_operator_passes_opcheck(name, dtype):
     assert kernels.backend("cpu") == "cpp"  # the extension's CPU kernels are registered and run
     for args in op_samples(dtype)[name]:

@@ -127,3 +127,10 @@ def implementation(device: torch.device) -> Any:
     if name == "torch":
         return torch_ops
     return _triton_module() if name == "triton" else library.OPS
+
+
+def autograd_in_cpp(device: torch.device) -> bool:
+    """Whether eager calls on ``device`` take the operators with autograd in C++ (``ms_norm``, ``affine_linear``,
+    ``step_activation``, see :mod:`.library`): where a compiled extension serves the device and nothing is
+    being traced (torch.compile traces the Python autograd functions, which compute the same)."""
+    return not torch.compiler.is_compiling() and backend(device) in _EXTENSION_OF

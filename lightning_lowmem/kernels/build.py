@@ -35,8 +35,8 @@ import torch
 from filelock import FileLock, Timeout
 
 SOURCES = {
-    "cpu": ("lowmem_bind.cpp", "lowmem_cpu.cpp"),
-    "cuda": ("lowmem_bind.cpp", "lowmem_cuda.cu"),
+    "cpu": ("lowmem_bind.cpp", "lowmem_autograd.cpp", "lowmem_cpu.cpp"),
+    "cuda": ("lowmem_bind.cpp", "lowmem_autograd.cpp", "lowmem_cuda.cu"),
 }
 HEADERS = ("lowmem_kernels.h", "lowmem_math.h")
 CACHE_ENV = "LIGHTNING_LOWMEM_CACHE"

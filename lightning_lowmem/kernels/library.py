@@ -14,8 +14,13 @@ the dispatcher's business:
 - the fake kernels give shapes and dtypes without computing anything, so ``torch.compile``
   traces the ops as single graph nodes (no graph break) and ``torch.library.opcheck`` passes.
 
-The operators have no autograd formula of their own: the autograd functions of
-:mod:`lightning_lowmem.ops` call them in their forward and backward.
+These operators have no autograd formula of their own: the autograd functions of
+:mod:`lightning_lowmem.ops` call them in their forward and backward. Three more, ``ms_norm``,
+``affine_linear`` and ``step_activation`` (:data:`AUTOGRAD_SCHEMAS`), are those autograd functions
+in C++ (``csrc/lowmem_autograd.cpp``, registered for the extension's Autograd key): the ops layer
+calls them in eager mode where a compiled extension serves the device, so that no Python runs per
+call in forward or backward. They have no other kernel: torch.compile, Triton and the pure-PyTorch
+backend use the Python functions.
 """
 
 from __future__ import annotations
@@ -38,10 +43,24 @@ SCHEMAS = {
     "stock_activation": "(Tensor x, str kind) -> Tensor",
 }
 
+AUTOGRAD_SCHEMAS = {
+    "ms_norm": (
+        "(Tensor x, Tensor? weight, Tensor? bias, int dim, float eps, bool center, ScalarType out_dtype, float offset,"
+        " str name) -> (Tensor, Tensor)"
+    ),
+    "affine_linear": (
+        "(Tensor x, Tensor? z, Tensor weight, Tensor? bias, Tensor? gamma, Tensor? beta, ScalarType dtype, float offset)"
+        " -> Tensor"
+    ),
+    "step_activation": "(Tensor x, str kind, float[] thresholds, float[] levels, str name) -> Tensor",
+}
+
 _LIBRARY = torch.library.Library(NAMESPACE, "DEF")
 for _name, _schema in SCHEMAS.items():
     _LIBRARY.define(_name + _schema)
     _LIBRARY.impl(_name, getattr(torch_ops, _name), "CompositeExplicitAutograd")
+for _name, _schema in AUTOGRAD_SCHEMAS.items():
+    _LIBRARY.define(_name + _schema)
 
 
 @torch.library.register_fake(f"{NAMESPACE}::act_codes")

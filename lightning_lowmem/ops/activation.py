@@ -13,6 +13,7 @@ from collections.abc import Callable
 import torch
 
 from lightning_lowmem import kernels
+from lightning_lowmem.kernels import library
 from lightning_lowmem.ops._checks import check_float_tensor, needs_graph, refuse_double_backward
 from lightning_lowmem.ops.activation_registry import StepDerivative, check_bits, get_activation
 
@@ -22,7 +23,8 @@ _GELU_KINDS = {"none": "gelu", "tanh": "gelu_tanh"}
 class StepDerivativeActivation(torch.autograd.Function):
     """Stock activation forward; backward multiplies by a step derivative of k-bit codes. ``kind``: the kernels'
     id of the activation (for a contiguous input they then compute output and codes in one call, in one pass
-    where they can), or None for ``stock`` and a separate codes pass."""
+    where they can), or None for ``stock`` and a separate codes pass. ``lowmem::step_activation`` is this
+    function in C++ for a contiguous input of a kernels' kind (the eager path of the compiled backends)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, stock: Callable, kind: str | None, step: StepDerivative, name: str):
@@ -33,12 +35,12 @@ class StepDerivativeActivation(torch.autograd.Function):
             y, packed = impl.act_forward(x, kind, step.thresholds)
         ctx.save_for_backward(packed)
         ctx.levels = step.levels
-        ctx.name = name
+        ctx.op = name  # not ctx.name: that would hide the node's name()
         return y
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        refuse_double_backward(ctx.name)
+        refuse_double_backward(ctx.op)
         (packed,) = ctx.saved_tensors
         grad_input = kernels.implementation(grad.device).act_backward(grad, packed, ctx.levels)
         return grad_input, None, None, None, None
@@ -50,6 +52,8 @@ def _apply(op: str, x: torch.Tensor, activation: str, bits: int) -> torch.Tensor
     check_float_tensor(op, x)
     if not needs_graph(x):
         return entry.stock(x)
+    if entry.gated and x.is_contiguous() and kernels.autograd_in_cpp(x.device):
+        return library.OPS.step_activation(x, entry.name, step.thresholds, step.levels, op)
     return StepDerivativeActivation.apply(x, entry.stock, entry.name if entry.gated else None, step, op)
 
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from lightning_lowmem import kernels
+from lightning_lowmem.kernels import library
 from lightning_lowmem.ops.norm import affine_scale
 
 
@@ -49,7 +51,8 @@ def _weight_grad(
 class AffineLinearFunction(torch.autograd.Function):
     """``F.linear(x, W, b)`` in ``dtype`` saving, instead of ``x``, the ``z`` with ``x = (gamma + offset) * z + beta``
     (or ``x``, as it is when ``dtype`` holds it exactly, else in ``dtype``, when ``z`` is ``None``), and
-    parameters only. ``z``, ``gamma`` and ``beta`` get no gradient here: ``x`` gets it, as from a stock linear."""
+    parameters only. ``z``, ``gamma`` and ``beta`` get no gradient here: ``x`` gets it, as from a stock linear.
+    ``lowmem::affine_linear`` is this function in C++ (the eager path of the compiled backends)."""
 
     @staticmethod
     def forward(ctx, x, z, weight, bias, gamma, beta, dtype: torch.dtype, offset: float):
@@ -94,4 +97,5 @@ def affine_linear(
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` computed in ``dtype`` (default: the weight's) that saves ``z`` for
     backward where ``x = (gamma + offset) * z + beta`` (a memory-sharing norm's output), else ``x`` in ``dtype``."""
-    return AffineLinearFunction.apply(x, z, weight, bias, gamma, beta, dtype or weight.dtype, offset)
+    args = (x, z, weight, bias, gamma, beta, dtype or weight.dtype, float(offset))
+    return library.OPS.affine_linear(*args) if kernels.autograd_in_cpp(x.device) else AffineLinearFunction.apply(*args)

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import torch
 
 from lightning_lowmem import kernels
+from lightning_lowmem.kernels import library
 from lightning_lowmem.kernels.torch_ops import accumulate_dtype, affine_grad_sums
 from lightning_lowmem.ops._checks import check_float_tensor, refuse_double_backward
 from lightning_lowmem.ops.autocast import autocast_dtype
@@ -47,7 +48,8 @@ def _affine(z: torch.Tensor, gamma: torch.Tensor | None, beta: torch.Tensor | No
 
 class MemorySharingNorm(torch.autograd.Function):
     """Norm and affine that save only the affine-free output ``z`` and rstd. Returns ``(y, z)``, ``z``
-    without a gradient of its own (readers that save it take ``dL/dy``), or ``z`` alone with no affine."""
+    without a gradient of its own (readers that save it take ``dL/dy``), or ``z`` alone with no affine.
+    ``lowmem::ms_norm`` is this function in C++ (the eager path of the compiled backends)."""
 
     @staticmethod
     def forward(ctx, x, gamma, beta, dim: int, eps: float, center: bool, out_dtype: torch.dtype, offset: float, name):
@@ -55,7 +57,7 @@ class MemorySharingNorm(torch.autograd.Function):
         # an input that needs no gradient (the first norm on frozen embeddings) keeps no rstd: the affine's
         # gradients need z only
         ctx.save_for_backward(z, rstd if ctx.needs_input_grad[0] else None, gamma, beta)
-        ctx.dim, ctx.center, ctx.in_dtype, ctx.offset, ctx.name = dim, center, x.dtype, offset, name
+        ctx.dim, ctx.center, ctx.in_dtype, ctx.offset, ctx.op = dim, center, x.dtype, offset, name
         if gamma is None and beta is None:
             return z
         y = _affine(z, gamma, beta, offset)
@@ -67,7 +69,7 @@ class MemorySharingNorm(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor | None, _=None):
         if grad is None:  # nothing read y (e.g. only the rows' z went on)
             return (None,) * 9
-        refuse_double_backward(ctx.name)
+        refuse_double_backward(ctx.op)
         z, rstd, gamma, beta = ctx.saved_tensors
         needs_input, needs_gamma, needs_beta = ctx.needs_input_grad[:3]
         acc = accumulate_dtype(z.dtype)
@@ -126,6 +128,8 @@ def memory_sharing_norm(
     x = x.contiguous()
     inputs = (x, weight, bias)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs):
+        if affine and kernels.autograd_in_cpp(x.device):
+            return library.OPS.ms_norm(*inputs, dim, float(eps), center, out_dtype, float(weight_offset), name)
         out = MemorySharingNorm.apply(*inputs, dim, float(eps), center, out_dtype, float(weight_offset), name)
         return out if affine else (out, out)
     z, _ = kernels.implementation(x.device).norm_forward(x, dim, eps, center, out_dtype)

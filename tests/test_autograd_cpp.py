@@ -1,0 +1,164 @@
+"""The autograd functions in C++ (``lowmem::ms_norm``, ``affine_linear``, ``step_activation``, the eager path of
+the compiled backends) against the Python functions they replace (the path of torch.compile, Triton and the
+pure-PyTorch backend), both over the same C++ kernels: the same outputs and gradients bit for bit, the very
+same tensors saved (dtypes, shapes, the norm's output shared by pointer with its consumers), the same errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_lowmem import kernels
+from lightning_lowmem.nn import LowMemActivation, LowMemLinear, MSLayerNorm, MSRMSNorm
+from lightning_lowmem.ops.activation import step_activation
+from lightning_lowmem.ops.norm import memory_sharing_norm
+
+PATHS = ["cpp", "python"]
+
+
+@pytest.fixture(autouse=True)
+def _cpp_kernels():
+    assert kernels.backend("cpu") == "cpp"  # both paths run the extension's kernels
+
+
+def run(path: str, monkeypatch: pytest.MonkeyPatch, recorder, fn, *tensors: torch.Tensor):
+    """``fn(*tensors)`` forward and backward on fresh leaf copies, by ``path``: outputs, gradients, the grad_fn
+    names and the recorder of what autograd saved."""
+    with monkeypatch.context() as patch:
+        if path == "python":
+            patch.setattr(kernels, "autograd_in_cpp", lambda device: False)
+        leaves = [t.detach().clone().requires_grad_(t.requires_grad) for t in tensors]
+        with recorder() as rec:
+            out = fn(*leaves)
+        names = _grad_fn_names(out.grad_fn)
+        out.float().pow(2).sum().backward()
+    return out, [t.grad for t in leaves], names, rec
+
+
+def _grad_fn_names(node, seen=None) -> set[str]:
+    seen = set() if seen is None else seen
+    if node is not None and node not in seen:
+        seen.add(node)
+        for child, _ in node.next_functions:
+            _grad_fn_names(child, seen)
+    return {n.name() for n in seen}
+
+
+def assert_same_runs(cpp, python) -> None:
+    (out_c, grads_c, names_c, rec_c), (out_p, grads_p, names_p, rec_p) = cpp, python
+    assert torch.equal(out_c, out_p)
+    for grad_c, grad_p in zip(grads_c, grads_p, strict=True):
+        assert (grad_c is None) == (grad_p is None)
+        if grad_c is not None:
+            assert grad_c.dtype == grad_p.dtype and torch.equal(grad_c, grad_p)
+    assert [(t.dtype, t.shape) for t in rec_c.saved] == [(t.dtype, t.shape) for t in rec_p.saved]
+    assert len(rec_c.storages()) == len(rec_p.storages())
+    assert any("lowmem::" in name for name in names_c), names_c  # the C++ functions ran
+    assert not any("lowmem::" in name for name in names_p), names_p
+
+
+def block(norm_cls: type, dim: int, weight_offset: float, bias: bool, frozen_linear: bool) -> nn.Module:
+    """A memory-sharing norm read by two linears (its z saved once for both), then an activation."""
+    stock = nn.LayerNorm(dim) if norm_cls is MSLayerNorm else nn.RMSNorm(dim)
+    norm = norm_cls.from_module(stock)
+    norm.weight_offset = weight_offset
+    with torch.no_grad():
+        norm.weight.normal_()
+        if norm.bias is not None:
+            norm.bias.normal_()
+    first = LowMemLinear.from_linear(nn.Linear(dim, 2 * dim, bias=bias), norm=norm)
+    second = LowMemLinear.from_linear(nn.Linear(dim, dim), norm=norm)
+    first.weight.requires_grad_(not frozen_linear)
+    act = LowMemActivation("gelu")
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm, self.first, self.second, self.act = norm, first, second, act
+
+        def forward(self, x):
+            y = self.norm(x)
+            return self.act(self.first(y)).sum(-1, keepdim=True) * self.second(y)
+
+    return Block()
+
+
+@pytest.mark.parametrize("norm_cls", [MSLayerNorm, MSRMSNorm])
+@pytest.mark.parametrize("weight_offset", [0.0, 1.0])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("frozen_linear", [False, True])
+@pytest.mark.parametrize("frozen_input", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, "autocast"])
+def test_norm_linears_and_activation_match(
+    norm_cls, weight_offset, bias, frozen_linear, frozen_input, dtype, monkeypatch, recorder
+):
+    module = block(norm_cls, 32, weight_offset, bias, frozen_linear)
+    if dtype == torch.bfloat16:
+        module = module.to(dtype)
+    x = torch.randn(3, 7, 32, dtype=torch.bfloat16 if dtype == torch.bfloat16 else torch.float32)
+    x.requires_grad_(not frozen_input)
+    params = [p for p in module.parameters() if p.requires_grad]
+
+    def forward(x, *_):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "autocast"):
+            return module(x)
+
+    runs = {}
+    for path in PATHS:
+        module.zero_grad(set_to_none=True)
+        out, grads, names, rec = run(path, monkeypatch, recorder, forward, x)
+        runs[path] = (out, grads + [p.grad.clone() for p in params], names, rec)
+    assert_same_runs(runs["cpp"], runs["python"])
+    # the norm's output is what both linears saved: one storage for the three
+    saved_c = runs["cpp"][3].saved
+    assert saved_c[0].shape == x.shape and sum(t.data_ptr() == saved_c[0].data_ptr() for t in saved_c) >= 2
+
+
+@pytest.mark.parametrize("activation", ["gelu", "gelu_tanh", "silu"])
+@pytest.mark.parametrize("bits", [1, 2, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_step_activation_matches(activation, bits, dtype, monkeypatch, recorder):
+    x = torch.randn(5, 33, 17, dtype=dtype, requires_grad=True) * 3
+    runs = [run(path, monkeypatch, recorder, lambda t: step_activation(t, activation, bits), x) for path in PATHS]
+    assert_same_runs(*runs)
+    assert [t.dtype for t in runs[0][3].saved] == [torch.uint8]
+
+
+def test_strided_activation_input_takes_the_python_function(recorder, monkeypatch):
+    """The stock op's own layout and element order for a strided input: the Python function's."""
+    x = torch.randn(8, 40, requires_grad=True)
+    _, _, names, _ = run("cpp", monkeypatch, recorder, lambda t: step_activation(t.t(), "silu"), x)
+    assert "StepDerivativeActivationBackward" in names and not any("lowmem::" in name for name in names)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_double_backward_is_refused_alike(path, monkeypatch):
+    if path == "python":
+        monkeypatch.setattr(kernels, "autograd_in_cpp", lambda device: False)
+    x = torch.randn(4, 16, requires_grad=True)
+    weight = torch.randn(16, requires_grad=True)
+    for out, name in (
+        (memory_sharing_norm(x, 16, 1e-5, True, weight, name="ms_layer_norm")[0], "ms_layer_norm"),
+        (step_activation(x, "gelu"), "step_activation"),
+    ):
+        with pytest.raises(RuntimeError, match=f"{name} does not support double backward"):
+            torch.autograd.grad(out.pow(2).sum(), x, create_graph=True)
+
+
+def test_compiled_tracing_takes_the_python_functions():
+    """torch.compile traces the Python functions (whose saved tensors test_compile checks), not the C++ ones."""
+    graphs = []
+
+    def backend(graph_module, example_inputs):
+        graphs.extend(m.code for m in graph_module.modules() if isinstance(m, torch.fx.GraphModule))
+        return graph_module.forward
+
+    norm = MSLayerNorm.from_module(nn.LayerNorm(8))
+    linear = LowMemLinear.from_linear(nn.Linear(8, 4), norm=norm)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x: step_activation(linear(norm(x)), "silu"), backend=backend, fullgraph=True)
+    compiled(torch.randn(2, 8, requires_grad=True)).sum().backward()
+    code = "\n".join(graphs)
+    assert "lowmem.norm_forward" in code and "lowmem.act_forward" in code
+    assert not any(f"lowmem.{name}" in code for name in ("ms_norm", "affine_linear", "step_activation"))
