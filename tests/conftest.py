@@ -50,6 +50,17 @@ def _seed():
     torch.manual_seed(0)
 
 
+@pytest.fixture(autouse=True)
+def _fresh_backend_choice():
+    """The backend chosen for a device is kept for the process; tests that fake a failed build or a GPU must
+    not leave their choice to the next test."""
+    from lightning_lowmem import kernels
+
+    kernels._choose.cache_clear()
+    yield
+    kernels._choose.cache_clear()
+
+
 class SavedRecorder:
     """Records every tensor autograd saves inside the ``with`` block (no dedup, no filtering)."""
 

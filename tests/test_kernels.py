@@ -228,6 +228,7 @@ def test_triton_runs_cuda_tensors_by_default_and_cpu_tensors_only_interpreted(mo
     monkeypatch.setenv(kernels.ENV_VAR, "cpp")
     assert kernels.backend("cuda") == "triton"
     capability[0] = (7, 5)
+    kernels._choose.cache_clear()  # a process sees one GPU: this one is another
     monkeypatch.delenv(kernels.ENV_VAR)
     assert kernels.backend("cuda") == "cuda"
     monkeypatch.setenv(kernels.ENV_VAR, "triton")

@@ -97,15 +97,20 @@ def _candidates(device_type: str, forced: str | None) -> tuple[str, ...]:
 def backend(device: torch.device | str | None = None) -> str:
     """Name of the implementation that runs for tensors on ``device`` (default: CPU).
 
-    The first call for a device type builds (or loads the cached build of) its extension.
+    The first call for a device type builds (or loads the cached build of) its extension; the answer is
+    kept for the process, per device and value of ``LIGHTNING_LOWMEM_BACKEND``.
     """
     return _resolve(str(torch.device(device if device is not None else "cpu")))
 
 
 @torch.compiler.assume_constant_result  # torch.compile runs it once, at trace time: no graph break
 def _resolve(device_name: str) -> str:
+    return _choose(device_name, _forced())
+
+
+@functools.cache  # asked on every call of an op: the answer for a device and setting is computed once
+def _choose(device_name: str, forced: str | None) -> str:
     device = torch.device(device_name)
-    forced = _forced()
     candidates = () if forced == "torch" else _candidates(device.type, forced)
     reasons = []
     for name in candidates:
