@@ -56,9 +56,11 @@ def _fresh_backend_choice():
     not leave their choice to the next test."""
     from lightning_lowmem import kernels
 
-    kernels._choose.cache_clear()
+    for cache in (kernels._choose, kernels._compiled_backend):
+        cache.cache_clear()
     yield
-    kernels._choose.cache_clear()
+    for cache in (kernels._choose, kernels._compiled_backend):
+        cache.cache_clear()
 
 
 class SavedRecorder:

@@ -138,4 +138,9 @@ def autograd_in_cpp(device: torch.device) -> bool:
     """Whether eager calls on ``device`` take the operators with autograd in C++ (``ms_norm``, ``affine_linear``,
     ``step_activation``, see :mod:`.library`): where a compiled extension serves the device and nothing is
     being traced (torch.compile traces the Python autograd functions, which compute the same)."""
-    return not torch.compiler.is_compiling() and backend(device) in _EXTENSION_OF
+    return not torch.compiler.is_compiling() and _compiled_backend(device, os.environ.get(ENV_VAR))
+
+
+@functools.cache  # asked by every op call: once per device and setting
+def _compiled_backend(device: torch.device, setting: str | None) -> bool:
+    return backend(device) in _EXTENSION_OF
