@@ -649,8 +649,8 @@ void act_forward(const at::Tensor& x, Activation kind, const double* thresholds,
     return;
   }
 #endif
+  act_codes(x, thresholds, count, packed);  // first: x is still in cache from the op that wrote it
   stock_activation_out(x, kind, y);
-  act_codes(x, thresholds, count, packed);
 }
 
 void step_scale(const at::Tensor& grad, const at::Tensor& packed, const double* levels, int64_t count, at::Tensor& out) {
