@@ -8,7 +8,6 @@ element). ``bits=2`` (the default) is the paper's method and constants. Any acti
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 
 import torch
@@ -16,7 +15,7 @@ import torch
 from lightning_lowmem import kernels
 from lightning_lowmem.kernels import library
 from lightning_lowmem.ops._checks import check_float_tensor, needs_graph, refuse_double_backward
-from lightning_lowmem.ops.activation_registry import Activation, StepDerivative, check_bits, get_activation
+from lightning_lowmem.ops.activation_registry import StepDerivative, check_bits, get_activation
 
 _GELU_KINDS = {"none": "gelu", "tanh": "gelu_tanh"}
 
@@ -47,14 +46,9 @@ class StepDerivativeActivation(torch.autograd.Function):
         return grad_input, None, None, None, None
 
 
-@functools.cache  # looked up on every call
-def _entry_and_step(op: str, activation: str, bits: int) -> tuple[Activation, StepDerivative]:
-    entry = get_activation(activation, op)
-    return entry, entry.step_derivative(bits)
-
-
 def _apply(op: str, x: torch.Tensor, activation: str, bits: int) -> torch.Tensor:
-    entry, step = _entry_and_step(op, activation, check_bits(op, bits))
+    entry = get_activation(activation, op)
+    step = entry.step_derivative(check_bits(op, bits))
     check_float_tensor(op, x)
     if not needs_graph(x):
         return entry.stock(x)
