@@ -236,8 +236,8 @@ void norm_forward(const at::Tensor& x, int64_t dim, double eps, bool center, at:
 
 void act_forward(const at::Tensor& x, Activation kind, const double* thresholds, int64_t count, at::Tensor& y,
                  at::Tensor& packed) {
+  act_codes(x, thresholds, count, packed);  // first, as on the CPU: x is still in cache from the op that wrote it
   stock_activation_out(x, kind, y);
-  act_codes(x, thresholds, count, packed);
 }
 
 // The column sums (gamma / beta gradients) are two ATen reductions here; the CPU kernel fuses them.

@@ -56,11 +56,9 @@ def _fresh_backend_choice():
     not leave their choice to the next test."""
     from lightning_lowmem import kernels
 
-    for cache in (kernels._choose, kernels._compiled_backend):
-        cache.cache_clear()
+    kernels._choose.cache_clear()
     yield
-    for cache in (kernels._choose, kernels._compiled_backend):
-        cache.cache_clear()
+    kernels._choose.cache_clear()
 
 
 class SavedRecorder:

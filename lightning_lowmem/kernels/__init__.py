@@ -33,8 +33,9 @@ _EXTENSION_OF = {"cpp": "cpu", "cuda": "cuda"}  # compiled backend -> extension 
 TRITON_MIN_CAPABILITY = (8, 0)  # the NVIDIA GPUs Triton supports
 
 
-def _forced() -> str | None:
-    value = os.environ.get(ENV_VAR, "").strip().lower()
+def _forced(setting: str | None) -> str | None:
+    """The backend ``LIGHTNING_LOWMEM_BACKEND`` (its raw value ``setting``) forces, if any."""
+    value = (setting or "").strip().lower()
     if not value:
         return None
     if value not in BACKENDS:
@@ -105,12 +106,13 @@ def backend(device: torch.device | str | None = None) -> str:
 
 @torch.compiler.assume_constant_result  # torch.compile runs it once, at trace time: no graph break
 def _resolve(device_name: str) -> str:
-    return _choose(device_name, _forced())
+    return _choose(device_name, os.environ.get(ENV_VAR))
 
 
 @functools.cache  # asked on every call of an op: the answer for a device and setting is computed once
-def _choose(device_name: str, forced: str | None) -> str:
+def _choose(device_name: str, setting: str | None) -> str:
     device = torch.device(device_name)
+    forced = _forced(setting)
     candidates = () if forced == "torch" else _candidates(device.type, forced)
     reasons = []
     for name in candidates:
@@ -138,9 +140,4 @@ def autograd_in_cpp(device: torch.device) -> bool:
     """Whether eager calls on ``device`` take the operators with autograd in C++ (``ms_norm``, ``affine_linear``,
     ``step_activation``, see :mod:`.library`): where a compiled extension serves the device and nothing is
     being traced (torch.compile traces the Python autograd functions, which compute the same)."""
-    return not torch.compiler.is_compiling() and _compiled_backend(device, os.environ.get(ENV_VAR))
-
-
-@functools.cache  # asked by every op call: once per device and setting
-def _compiled_backend(device: torch.device, setting: str | None) -> bool:
-    return backend(device) in _EXTENSION_OF
+    return not torch.compiler.is_compiling() and _choose(str(device), os.environ.get(ENV_VAR)) in _EXTENSION_OF
