@@ -38,13 +38,16 @@ at::Tensor value_or_undefined(const OptionalTensor& t) { return t.has_value() ? 
 // `gamma + offset`, the norm's scale (Gemma's RMSNorm: 1 + weight); gamma itself without an offset.
 at::Tensor affine_scale(const at::Tensor& gamma, double offset) { return offset != 0.0 ? gamma + offset : gamma; }
 
-std::tuple<at::Tensor, at::Tensor> norm_forward(const at::Tensor& x, int64_t dim, double eps, bool center,
-                                                at::ScalarType out_dtype) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_affine_forward(const at::Tensor& x, int64_t dim, double eps,
+                                                                   bool center, at::ScalarType out_dtype,
+                                                                   const OptionalTensor& scale,
+                                                                   const OptionalTensor& shift) {
   static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("lowmem::norm_forward", "")
-                       .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, int64_t, double, bool,
-                                                                  at::ScalarType)>();
-  return op.call(x, dim, eps, center, out_dtype);
+                       .findSchemaOrThrow("lowmem::norm_affine_forward", "")
+                       .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+                           const at::Tensor&, int64_t, double, bool, at::ScalarType, const OptionalTensor&,
+                           const OptionalTensor&)>();
+  return op.call(x, dim, eps, center, out_dtype, scale, shift);
 }
 
 std::tuple<at::Tensor, at::Tensor> norm_backward(const at::Tensor& grad, const at::Tensor& z, const at::Tensor& rstd,
@@ -79,17 +82,12 @@ struct MemorySharingNorm : public torch::autograd::Function<MemorySharingNorm> {
   static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const OptionalTensor& gamma,
                                const OptionalTensor& beta, int64_t dim, double eps, bool center,
                                at::ScalarType out_dtype, double offset, c10::string_view name) {
-    auto [z, rstd] = norm_forward(x, dim, eps, center, out_dtype);
-    const at::Tensor& param = gamma.has_value() ? *gamma : *beta;
-    at::Tensor y = z.to(param.scalar_type());
-    if (gamma.has_value() && beta.has_value()) {
-      y = at::addcmul(*beta, y, affine_scale(*gamma, offset));
-    } else if (gamma.has_value()) {
-      y = y * affine_scale(*gamma, offset);
-    } else {
-      y = y + *beta;
-    }
-    y = y.to(z.scalar_type());
+    // ops.norm.affine_values: gamma + offset and beta in the input's accumulate type
+    const at::ScalarType acc = at::toOpMathType(x.scalar_type());
+    OptionalTensor scale, shift;
+    if (gamma.has_value()) scale = affine_scale(*gamma, offset).to(acc);
+    if (beta.has_value()) shift = beta->to(acc);
+    auto [y, z, rstd] = norm_affine_forward(x, dim, eps, center, out_dtype, scale, shift);
     // an input that needs no gradient (the first norm on frozen embeddings) keeps no rstd
     ctx->save_for_backward({z, x.requires_grad() ? rstd : at::Tensor(), value_or_undefined(gamma),
                             value_or_undefined(beta)});

@@ -98,17 +98,48 @@ int64_t rows_of(const char* op, const at::Tensor& t, int64_t dim) {
   return t.numel() / dim;
 }
 
+// What both norm forward operators check.
+void check_norm_forward(const char* op, const at::Tensor& x, double eps, at::ScalarType out_dtype) {
+  check_float(op, "x", x);
+  TORCH_CHECK_TYPE(is_float_type(out_dtype), op, ": unsupported output dtype ", out_dtype);
+  TORCH_CHECK_VALUE(eps > 0, op, ": eps must be positive, got ", eps);
+}
+
 std::tuple<at::Tensor, at::Tensor> norm_forward_op(const at::Tensor& x, int64_t dim, double eps, bool center,
                                                    at::ScalarType out_dtype) {
-  check_float("norm_forward", "x", x);
-  TORCH_CHECK_TYPE(is_float_type(out_dtype), "norm_forward: unsupported output dtype ", out_dtype);
-  TORCH_CHECK_VALUE(eps > 0, "norm_forward: eps must be positive, got ", eps);
+  check_norm_forward("norm_forward", x, eps, out_dtype);
   const int64_t rows = rows_of("norm_forward", x, dim);
-  at::Tensor xc = x.contiguous();
   at::Tensor z = at::empty(x.sizes(), x.options().dtype(out_dtype));
   at::Tensor rstd = at::empty({rows}, x.options().dtype(accumulate_type(x.scalar_type())));
-  if (rows > 0) norm_forward(xc, dim, eps, center, z, rstd);
+  at::Tensor none;
+  if (rows > 0) norm_forward(x.contiguous(), dim, eps, center, z, rstd, none, none, none);
   return {z, rstd};
+}
+
+// `dim` values of the accumulate type, contiguous; undefined when not given.
+at::Tensor affine_values(const char* name, const std::optional<at::Tensor>& t, int64_t dim, at::ScalarType acc) {
+  if (!t.has_value()) return at::Tensor();
+  check_tensor("norm_affine_forward", name, *t);
+  TORCH_CHECK_VALUE(t->numel() == dim && t->scalar_type() == acc, "norm_affine_forward: expected ", dim, " ", name,
+                    " values of dtype ", acc, ", got ", t->numel(), " of ", t->scalar_type());
+  return t->contiguous();
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_affine_forward_op(const at::Tensor& x, int64_t dim, double eps,
+                                                                      bool center, at::ScalarType out_dtype,
+                                                                      const std::optional<at::Tensor>& scale,
+                                                                      const std::optional<at::Tensor>& shift) {
+  check_norm_forward("norm_affine_forward", x, eps, out_dtype);
+  TORCH_CHECK_VALUE(scale.has_value() || shift.has_value(), "norm_affine_forward: needs a scale or a shift");
+  const int64_t rows = rows_of("norm_affine_forward", x, dim);
+  const at::ScalarType acc = accumulate_type(x.scalar_type());
+  const at::Tensor scale_values = affine_values("scale", scale, dim, acc);
+  const at::Tensor shift_values = affine_values("shift", shift, dim, acc);
+  at::Tensor z = at::empty(x.sizes(), x.options().dtype(out_dtype));
+  at::Tensor y = at::empty_like(z);
+  at::Tensor rstd = at::empty({rows}, x.options().dtype(acc));
+  if (rows > 0) norm_forward(x.contiguous(), dim, eps, center, z, rstd, scale_values, shift_values, y);
+  return {y, z, rstd};
 }
 
 std::tuple<at::Tensor, at::Tensor> norm_backward_op(const at::Tensor& grad, const at::Tensor& z, const at::Tensor& rstd,
@@ -182,6 +213,7 @@ TORCH_LIBRARY_IMPL(lowmem, LOWMEM_DISPATCH_KEY, m) {
   m.impl("act_forward", &lowmem::act_forward_op);
   m.impl("act_backward", &lowmem::act_backward_op);
   m.impl("norm_forward", &lowmem::norm_forward_op);
+  m.impl("norm_affine_forward", &lowmem::norm_affine_forward_op);
   m.impl("norm_backward", &lowmem::norm_backward_op);
   m.impl("gated_backward", &lowmem::gated_backward_op);
 }

@@ -423,10 +423,29 @@ acc_t lane_sum(Vectorized<acc_t> v) {
   return at::vec::vec_reduce_all([](Vectorized<acc_t> a, Vectorized<acc_t> b) { return a + b; }, v);
 }
 
+// y = scale * z + shift for one pair of vectors of z as stored (narrow types rounded first, as a reader of z
+// sees it): what a stock affine of z computes. A null scale is 1, a null shift 0.
+template <typename acc_t, typename U>
+std::tuple<Vectorized<acc_t>, Vectorized<acc_t>> affine_pair(const U* z, const acc_t* scale, const acc_t* shift) {
+  using Vec = Vectorized<acc_t>;
+  auto [y0, y1] = load_pair<acc_t>(z);
+  if (scale != nullptr) {
+    y0 = y0 * Vec::loadu(scale);
+    y1 = y1 * Vec::loadu(scale + Vec::size());
+  }
+  if (shift != nullptr) {
+    y0 = y0 + Vec::loadu(shift);
+    y1 = y1 + Vec::loadu(shift + Vec::size());
+  }
+  return {y0, y1};
+}
+
 // Rows in parallel; per row the mean, then the centered sum of squares, then z: three passes over the
-// row, all but the first from cache, in acc_t (fp32 for half/bfloat16, fp64 for fp64).
+// row, all but the first from cache, in acc_t (fp32 for half/bfloat16, fp64 for fp64). A non-null y also
+// gets the affine of z in the last pass, from z just stored (in cache).
 template <typename T, typename U>
-void norm_forward_kernel(const T* x, int64_t rows, int64_t dim, double eps, bool center, U* z, at::opmath_type<T>* rstd) {
+void norm_forward_kernel(const T* x, int64_t rows, int64_t dim, double eps, bool center, U* z, at::opmath_type<T>* rstd,
+                         const at::opmath_type<T>* scale, const at::opmath_type<T>* shift, U* y) {
   using acc_t = at::opmath_type<T>;
   using Vec = Vectorized<acc_t>;
   constexpr int64_t kStep = 2 * Vec::size();
@@ -460,11 +479,24 @@ void norm_forward_kernel(const T* x, int64_t rows, int64_t dim, double eps, bool
       const acc_t r = inverse_std(m2 / acc_t(dim), acc_t(eps));
       rstd[row] = r;
       const Vec vr(r);
+      U* yr = y == nullptr ? nullptr : y + row * dim;
       for (i = 0; i + kStep <= dim; i += kStep) {
         const auto [x0, x1] = load_pair<acc_t>(xr + i);
         store_pair<acc_t>(zr + i, normalized(x0, vmean, vr), normalized(x1, vmean, vr));
+        if (yr != nullptr) {
+          const auto [y0, y1] = affine_pair<acc_t>(zr + i, scale == nullptr ? nullptr : scale + i,
+                                                   shift == nullptr ? nullptr : shift + i);
+          store_pair<acc_t>(yr + i, y0, y1);
+        }
       }
-      for (; i < dim; ++i) zr[i] = static_cast<U>(normalized(static_cast<acc_t>(xr[i]), mean, r));
+      for (; i < dim; ++i) {
+        zr[i] = static_cast<U>(normalized(static_cast<acc_t>(xr[i]), mean, r));
+        if (yr == nullptr) continue;
+        acc_t value = static_cast<acc_t>(zr[i]);
+        if (scale != nullptr) value = value * scale[i];
+        if (shift != nullptr) value = value + shift[i];
+        yr[i] = static_cast<U>(value);
+      }
     }
   });
 }
@@ -662,12 +694,16 @@ void step_scale(const at::Tensor& grad, const at::Tensor& packed, const double* 
   });
 }
 
-void norm_forward(const at::Tensor& x, int64_t dim, double eps, bool center, at::Tensor& z, at::Tensor& rstd) {
+void norm_forward(const at::Tensor& x, int64_t dim, double eps, bool center, at::Tensor& z, at::Tensor& rstd,
+                  const at::Tensor& scale, const at::Tensor& shift, at::Tensor& y) {
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "norm_forward", [&] {
     using in_t = scalar_t;
+    using acc_t = at::opmath_type<in_t>;
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, z.scalar_type(), "norm_forward", [&] {
       norm_forward_kernel(x.const_data_ptr<in_t>(), rstd.numel(), dim, eps, center, z.mutable_data_ptr<scalar_t>(),
-                          rstd.mutable_data_ptr<at::opmath_type<in_t>>());
+                          rstd.mutable_data_ptr<acc_t>(), scale.defined() ? scale.const_data_ptr<acc_t>() : nullptr,
+                          shift.defined() ? shift.const_data_ptr<acc_t>() : nullptr,
+                          y.defined() ? y.mutable_data_ptr<scalar_t>() : nullptr);
     });
   });
 }

@@ -218,7 +218,9 @@ void step_scale(const at::Tensor& grad, const at::Tensor& packed, const double* 
   });
 }
 
-void norm_forward(const at::Tensor& x, int64_t dim, double eps, bool center, at::Tensor& z, at::Tensor& rstd) {
+// The affine is ATen's pass after the kernel here; the CPU kernel fuses it.
+void norm_forward(const at::Tensor& x, int64_t dim, double eps, bool center, at::Tensor& z, at::Tensor& rstd,
+                  const at::Tensor& scale, const at::Tensor& shift, at::Tensor& y) {
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t rows = rstd.numel();
   const int64_t blocks = std::min<int64_t>(rows, kMaxBlocks * 32);
@@ -232,6 +234,7 @@ void norm_forward(const at::Tensor& x, int64_t dim, double eps, bool center, at:
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   });
+  if (y.defined()) affine_out(z, scale, shift, y);
 }
 
 void act_forward(const at::Tensor& x, Activation kind, const double* thresholds, int64_t count, at::Tensor& y,

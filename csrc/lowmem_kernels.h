@@ -34,8 +34,25 @@ inline void stock_activation_out(const at::Tensor& x, Activation kind, at::Tenso
 // out[i] = grad[i] * levels[code(i)] over `count` levels, computed in grad's accumulate type.
 void step_scale(const at::Tensor& grad, const at::Tensor& packed, const double* levels, int64_t count, at::Tensor& out);
 
-// Row-wise affine-free norm over the trailing `dim` elements; rstd holds one value per row.
-void norm_forward(const at::Tensor& x, int64_t dim, double eps, bool center, at::Tensor& z, at::Tensor& rstd);
+// Row-wise affine-free norm over the trailing `dim` elements; rstd holds one value per row. A defined `y` (z's
+// dtype) also receives y = scale * z + shift (an undefined scale is 1, an undefined shift 0; both `dim` values of
+// rstd's dtype), computed in rstd's dtype from z as stored: what a stock affine of z gives (to a fused
+// multiply-add: whether the compiler fuses scale * z + shift is its choice, here as in ATen).
+void norm_forward(const at::Tensor& x, int64_t dim, double eps, bool center, at::Tensor& z, at::Tensor& rstd,
+                  const at::Tensor& scale, const at::Tensor& shift, at::Tensor& y);
+
+// y = scale * z + shift as norm_forward defines it, in ATen ops (a device whose norm kernel does not fuse it).
+inline void affine_out(const at::Tensor& z, const at::Tensor& scale, const at::Tensor& shift, at::Tensor& y) {
+  at::Tensor out = z.to(scale.defined() ? scale.scalar_type() : shift.scalar_type());
+  if (scale.defined() && shift.defined()) {
+    out = at::addcmul(shift, out, scale);
+  } else if (scale.defined()) {
+    out = out * scale;
+  } else {
+    out = out + shift;
+  }
+  y.copy_(out);
+}
 
 // Input gradient of y = scale * z + beta from the saved output z and rstd only; an undefined `scale` is 1.
 // A defined `sums` (2 x dim, accumulate type) receives the column sums of grad * z and grad.

@@ -120,6 +120,27 @@ def test_norm_matches_reference(kernel_backend, center, dtype, out_dtype):
                 torch.testing.assert_close(sums, want_sums, rtol=1e-5, atol=1e-5 * (g.numel() // dim + 1))
 
 
+@pytest.mark.parametrize(
+    "dtype,out_dtype", [(d, d) for d in DTYPES] + [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)]
+)
+def test_norm_affine_forward_is_norm_forward_then_its_affine(kernel_backend, dtype, out_dtype):
+    """z and rstd as norm_forward's, y the affine of z as stored (to one rounding: a compiler may fuse the
+    multiply-add, in our kernels as in ATen's), with scale and shift, either alone."""
+    ext, device = kernel_backend.module, kernel_backend.device
+    acc = torch_ops.accumulate_dtype(dtype)
+    close = half_tolerance(out_dtype) or {"rtol": 1e-6, "atol": 1e-5}
+    for shape in NORM_SHAPES:
+        x = (torch.randn(shape, dtype=torch.float64) * 3 + 2).to(dtype=dtype, device=device)
+        dim = shape[-1]
+        scale, shift = (torch.randn(dim, dtype=acc, device=device) * 2 for _ in range(2))
+        z, rstd = ext.norm_forward(x, dim, 1e-5, True, out_dtype)
+        for affine in ((scale, shift), (scale, None), (None, shift)):
+            y, z_too, rstd_too = ext.norm_affine_forward(x, dim, 1e-5, True, out_dtype, *affine)
+            assert torch.equal(z_too, z) and torch.equal(rstd_too, rstd), shape
+            assert y.dtype == out_dtype and y.shape == x.shape and (y.numel() == 0 or y.data_ptr() != z_too.data_ptr())
+            torch.testing.assert_close(y, torch_ops.affine(z, *affine), **close)
+
+
 def test_norm_non_contiguous_inputs(kernel_backend):
     ext, device = kernel_backend.module, kernel_backend.device
     x = torch.randn(48, 40, device=device).t()  # rows of 48, strided
@@ -192,6 +213,10 @@ def test_bad_arguments_raise_naming_the_op(kernel_backend):
         ext.norm_forward(ints, 8, 1e-5, True, torch.float32)
     with pytest.raises(ValueError, match="norm_forward: cannot normalize 8 elements over trailing size 3"):
         ext.norm_forward(ints.float(), 3, 1e-5, True, torch.float32)
+    with pytest.raises(ValueError, match="norm_affine_forward: needs a scale or a shift"):
+        ext.norm_affine_forward(ints.float(), 8, 1e-5, True, torch.float32, None, None)
+    with pytest.raises(ValueError, match="norm_affine_forward: expected 8 shift values of dtype"):
+        ext.norm_affine_forward(ints.float(), 8, 1e-5, True, torch.float32, None, torch.ones(3, device=device))
     if kernel_backend.name == "cpp" and torch.cuda.is_available():
         with pytest.raises(RuntimeError, match="must be on cpu"):
             ext.act_codes(ints.float().cuda(), GELU_2BIT.thresholds)

@@ -35,6 +35,10 @@ SCHEMAS = {
     "act_forward": "(Tensor x, str kind, float[] thresholds) -> (Tensor, Tensor)",
     "act_backward": "(Tensor grad, Tensor packed, float[] levels) -> Tensor",
     "norm_forward": "(Tensor x, int dim, float eps, bool center, ScalarType out_dtype) -> (Tensor, Tensor)",
+    "norm_affine_forward": (
+        "(Tensor x, int dim, float eps, bool center, ScalarType out_dtype, Tensor? scale, Tensor? shift)"
+        " -> (Tensor, Tensor, Tensor)"
+    ),
     "norm_backward": (
         "(Tensor grad, Tensor z, Tensor rstd, Tensor? scale, int dim, bool center, ScalarType dtype, bool column_sums)"
         " -> (Tensor, Tensor)"
@@ -86,6 +90,21 @@ def _norm_forward_fake(
     torch._check(dim > 0 and x.numel() % dim == 0, lambda: f"norm_forward: cannot normalize over {dim} elements")
     z = x.new_empty(x.shape, dtype=out_dtype)
     return z, x.new_empty(x.numel() // dim, dtype=torch_ops.accumulate_dtype(x.dtype))
+
+
+@torch.library.register_fake(f"{NAMESPACE}::norm_affine_forward")
+def _norm_affine_forward_fake(
+    x: torch.Tensor,
+    dim: int,
+    eps: float,
+    center: bool,
+    out_dtype: torch.dtype,
+    scale: torch.Tensor | None,
+    shift: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    torch._check(scale is not None or shift is not None, lambda: "norm_affine_forward: needs a scale or a shift")
+    z, rstd = _norm_forward_fake(x, dim, eps, center, out_dtype)
+    return torch.empty_like(z), z, rstd
 
 
 @torch.library.register_fake(f"{NAMESPACE}::norm_backward")

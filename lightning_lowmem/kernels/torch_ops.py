@@ -21,6 +21,11 @@ same functions with the same contract, so the autograd functions in
   normalized over its trailing ``dim`` elements; ``z`` (shape of ``x``, ``out_dtype``) is the
   affine-free output and ``rstd`` (one per row, fp32, fp64 for fp64 input) the reciprocal
   standard deviation. ``center`` selects LayerNorm (True) or RMSNorm (False).
+- ``norm_affine_forward(x, dim, eps, center, out_dtype, scale, shift) -> (y, z, rstd)``: ``norm_forward``
+  and the norm's output ``y = scale * z + shift`` (``dim`` values each in ``rstd``'s dtype, either None
+  for none but not both), computed in that dtype from ``z`` as stored (rounded to ``out_dtype``) and
+  returned in ``out_dtype``: what a stock affine of ``z`` gives, to one rounding (a compiler may fuse the
+  multiply-add; the CPU kernels write ``y`` in the pass that writes ``z``).
 - ``norm_backward(grad, z, rstd, scale, dim, center, dtype, column_sums) -> (grad_input, sums)``:
   the gradients of ``y = scale * z + beta`` (the norm with its affine; ``grad`` is ``dL/dy`` in
   ``z``'s dtype): the paper's algorithms 2-3 applied to ``grad * scale`` (``scale``: ``dim``
@@ -41,6 +46,7 @@ same functions with the same contract, so the autograd functions in
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -180,6 +186,49 @@ def norm_forward(
     rstd = torch.rsqrt(xa.square().mean(-1, keepdim=True) + eps)
     z = (xa * rstd).to(out_dtype).view(x.shape)
     return z, rstd.view(-1)
+
+
+def affine(z: torch.Tensor, scale: torch.Tensor | None, shift: torch.Tensor | None) -> torch.Tensor:
+    """``scale * z + shift`` in the dtype of ``scale`` / ``shift``, returned in ``z``'s (either may be None)."""
+    out = z.to((scale if scale is not None else shift).dtype)
+    if scale is not None and shift is not None:
+        out = torch.addcmul(shift, out, scale)  # one pass
+    elif scale is not None:
+        out = out * scale
+    else:
+        out = out + shift
+    return out.to(z.dtype)
+
+
+def with_affine(norm_forward: Callable) -> Callable:
+    """The ``norm_affine_forward`` of a backend whose norm kernel does not fuse the affine: ``norm_forward``,
+    then :func:`affine` as a PyTorch pass."""
+
+    def norm_affine_forward(
+        x: torch.Tensor,
+        dim: int,
+        eps: float,
+        center: bool,
+        out_dtype: torch.dtype,
+        scale: torch.Tensor | None,
+        shift: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if scale is None and shift is None:
+            raise ValueError("norm_affine_forward: needs a scale or a shift")
+        acc = accumulate_dtype(x.dtype)
+        for name, values in (("scale", scale), ("shift", shift)):
+            if values is not None and (values.numel() != dim or values.dtype != acc):
+                raise ValueError(
+                    f"norm_affine_forward: expected {dim} {name} values of dtype {acc}, "
+                    f"got {values.numel()} of {values.dtype}"
+                )
+        z, rstd = norm_forward(x, dim, eps, center, out_dtype)
+        return affine(z, scale, shift), z, rstd
+
+    return norm_affine_forward
+
+
+norm_affine_forward = with_affine(norm_forward)
 
 
 def affine_grad_sums(grad: torch.Tensor, z: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor:

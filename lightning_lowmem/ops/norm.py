@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import torch
 
 from lightning_lowmem import kernels
-from lightning_lowmem.kernels import library
+from lightning_lowmem.kernels import library, torch_ops
 from lightning_lowmem.kernels.torch_ops import accumulate_dtype, affine_grad_sums
 from lightning_lowmem.ops._checks import check_float_tensor, refuse_double_backward
 from lightning_lowmem.ops.autocast import autocast_dtype
@@ -31,19 +31,12 @@ def affine_scale(gamma: torch.Tensor, offset: float) -> torch.Tensor:
     return gamma + offset if offset else gamma
 
 
-def _affine(z: torch.Tensor, gamma: torch.Tensor | None, beta: torch.Tensor | None, offset: float) -> torch.Tensor:
-    """``(gamma + offset) * z + beta`` in the parameters' precision, returned in ``z``'s dtype (autocast leaves
-    these ops alone)."""
-    param = gamma if gamma is not None else beta
-    out = z.to(param.dtype)
-    scale = None if gamma is None else affine_scale(gamma, offset)
-    if scale is not None and beta is not None:
-        out = torch.addcmul(beta, out, scale)  # one pass
-    elif scale is not None:
-        out = out * scale
-    else:
-        out = out + beta
-    return out.to(z.dtype)
+def affine_values(
+    x_dtype: torch.dtype, gamma: torch.Tensor | None, beta: torch.Tensor | None, offset: float
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``(gamma + offset, beta)`` as ``norm_affine_forward`` takes them: in the accumulate dtype of the input."""
+    acc = accumulate_dtype(x_dtype)
+    return (None if gamma is None else affine_scale(gamma, offset).to(acc)), (None if beta is None else beta.to(acc))
 
 
 class MemorySharingNorm(torch.autograd.Function):
@@ -53,14 +46,18 @@ class MemorySharingNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, gamma, beta, dim: int, eps: float, center: bool, out_dtype: torch.dtype, offset: float, name):
-        z, rstd = kernels.implementation(x.device).norm_forward(x, dim, eps, center, out_dtype)
+        impl = kernels.implementation(x.device)
+        affine = gamma is not None or beta is not None
+        if affine:
+            y, z, rstd = impl.norm_affine_forward(x, dim, eps, center, out_dtype, *affine_values(x.dtype, gamma, beta, offset))
+        else:
+            z, rstd = impl.norm_forward(x, dim, eps, center, out_dtype)
         # an input that needs no gradient (the first norm on frozen embeddings) keeps no rstd: the affine's
         # gradients need z only
         ctx.save_for_backward(z, rstd if ctx.needs_input_grad[0] else None, gamma, beta)
         ctx.dim, ctx.center, ctx.in_dtype, ctx.offset, ctx.op = dim, center, x.dtype, offset, name
-        if gamma is None and beta is None:
+        if not affine:
             return z
-        y = _affine(z, gamma, beta, offset)
         ctx.mark_non_differentiable(z)
         ctx.set_materialize_grads(False)  # z never gets a gradient: no zeros to make for it
         return y, z
@@ -91,14 +88,29 @@ def output_dtype(x: torch.Tensor) -> torch.dtype:
     return compute or x.dtype
 
 
-def _normalized_size(name: str, x: torch.Tensor, normalized_shape: int | Sequence[int]) -> int:
+def _checked_size(
+    name: str,
+    x: object,
+    normalized_shape: int | Sequence[int],
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+) -> int:
+    """The number of elements normalized together, once the arguments are known to make sense (clear errors)."""
+    check_float_tensor(name, x)
     shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
-    if not shape or tuple(x.shape[-len(shape) :]) != shape or x.dim() < len(shape):
+    if not shape or x.shape[-len(shape) :] != shape or x.dim() < len(shape):
         raise ValueError(
             f"{name}: normalized_shape {list(shape)} must match the trailing dimensions of the input, "
             f"got input of shape {list(x.shape)}"
         )
-    return math.prod(shape)
+    dim = math.prod(shape)
+    for which, param in (("weight", weight), ("bias", bias)):
+        if param is not None and param.numel() != dim:
+            raise ValueError(f"{name}: {which} of shape {list(param.shape)} does not match normalized_shape")
+    if not eps > 0:
+        raise ValueError(f"{name}: eps must be positive, got {eps}")
+    return dim
 
 
 def memory_sharing_norm(
@@ -113,27 +125,27 @@ def memory_sharing_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(y, z)``: the norm's stock output ``y = (weight + weight_offset) * z + bias`` and the affine-free ``z``
     it saves (``y`` is ``z`` with no affine). LayerNorm with ``center``, else RMSNorm."""
-    check_float_tensor(name, x)
-    dim = _normalized_size(name, x, normalized_shape)
-    for which, param in (("weight", weight), ("bias", bias)):
-        if param is not None and param.numel() != dim:
-            raise ValueError(f"{name}: {which} of shape {list(param.shape)} does not match normalized_shape")
-    if not eps > 0:
-        raise ValueError(f"{name}: eps must be positive, got {eps}")
+    dim = _checked_size(name, x, normalized_shape, weight, bias, eps)
     out_dtype = output_dtype(x)
     affine = weight is not None or bias is not None
     if x.numel() == 0:  # nothing to normalize (no rows, or rows of 0 elements): as stock, an empty output
         z = x.to(dtype=out_dtype, copy=True)
-        return (_affine(z, weight, bias, weight_offset) if affine else z), z
+        return (torch_ops.affine(z, *affine_values(x.dtype, weight, bias, weight_offset)) if affine else z), z
     x = x.contiguous()
-    inputs = (x, weight, bias)
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs):
+    eps, weight_offset = float(eps), float(weight_offset)
+    if torch.is_grad_enabled() and (
+        x.requires_grad or (weight is not None and weight.requires_grad) or (bias is not None and bias.requires_grad)
+    ):
         if affine and kernels.autograd_in_cpp(x.device):
-            return library.OPS.ms_norm(*inputs, dim, float(eps), center, out_dtype, float(weight_offset), name)
-        out = MemorySharingNorm.apply(*inputs, dim, float(eps), center, out_dtype, float(weight_offset), name)
+            return library.OPS.ms_norm(x, weight, bias, dim, eps, center, out_dtype, weight_offset, name)
+        out = MemorySharingNorm.apply(x, weight, bias, dim, eps, center, out_dtype, weight_offset, name)
         return out if affine else (out, out)
-    z, _ = kernels.implementation(x.device).norm_forward(x, dim, eps, center, out_dtype)
-    return (_affine(z, weight, bias, weight_offset) if affine else z), z
+    impl = kernels.implementation(x.device)
+    if not affine:
+        z, _ = impl.norm_forward(x, dim, eps, center, out_dtype)
+        return z, z
+    y, z, _ = impl.norm_affine_forward(x, dim, eps, center, out_dtype, *affine_values(x.dtype, weight, bias, weight_offset))
+    return y, z
 
 
 def ms_layer_norm(
