@@ -109,22 +109,49 @@ def markdown_table(header: list[str], rows: list[list[object]]) -> str:
     return "\n".join(lines)
 
 
+_worst_spread = 0.0  # the largest reference spread this process has seen: one busy check taints its whole run
+_found: dict[tuple[Path, str], str | None] = {}  # each section as this process found it before writing it
+
+
+def _section(key: str) -> re.Pattern:
+    return re.compile(rf"<!-- {re.escape(key)}:begin -->.*?<!-- {re.escape(key)}:end -->", re.DOTALL)
+
+
+def _replace_section(path: Path, key: str, section: str | None) -> None:
+    """Put ``section`` (or nothing, for None) where ``key``'s section is in ``path``, or append it."""
+    text = path.read_text() if path.exists() else "# Benchmark results\n\nWritten by the scripts in `benchmarks/`.\n"
+    pattern = _section(key)
+    if pattern.search(text):
+        text = pattern.sub(lambda _: section or "", text)
+    elif section is not None:
+        text = text.rstrip() + "\n\n" + section + "\n"
+    path.write_text(text)
+
+
 def write_section(key: str, body: str, command: str, path: Path = RESULTS) -> bool:
     """Replace (or append) the section ``key`` of ``path`` (RESULTS.md), stamped with machine and command.
 
     A section with timings is refused, with the reason printed, when the machine was busy: numbers
-    taken under load do not reproduce. Returns whether the section was written."""
-    spread = reference_spread() if _timed else None
+    taken under load do not reproduce. A benchmark that writes its section as it goes (after every
+    row) is judged by the worst check of its run: once one check finds the machine busy, the section
+    goes back to what the run found and stays so. Returns whether the section was written."""
+    global _worst_spread
+    if (path, key) not in _found:
+        found = _section(key).search(path.read_text()) if path.exists() else None
+        _found[(path, key)] = found.group(0) if found else None
+    spread = None
+    if _timed:
+        _worst_spread = max(_worst_spread, reference_spread())
+        spread = _worst_spread
     reason = busy_reason(spread) if spread is not None else None
     if reason is not None:
         print(f"not writing the {key!r} section of {path.name}: {reason}; rerun on a quiet machine", file=sys.stderr)
+        _replace_section(path, key, _found[(path, key)])  # rows this run wrote earlier are no better
         return False
-    stamped = (
+    _replace_section(
+        path,
+        key,
         f"<!-- {key}:begin -->\n{body.strip()}\n\n"
-        f"Machine: {machine(spread)}. Date: {time.strftime('%Y-%m-%d')}. Command: `{command}`\n<!-- {key}:end -->"
+        f"Machine: {machine(spread)}. Date: {time.strftime('%Y-%m-%d')}. Command: `{command}`\n<!-- {key}:end -->",
     )
-    text = path.read_text() if path.exists() else "# Benchmark results\n\nWritten by the scripts in `benchmarks/`.\n"
-    pattern = re.compile(rf"<!-- {re.escape(key)}:begin -->.*?<!-- {re.escape(key)}:end -->", re.DOTALL)
-    text = pattern.sub(lambda _: stamped, text) if pattern.search(text) else text.rstrip() + "\n\n" + stamped + "\n"
-    path.write_text(text)
     return True

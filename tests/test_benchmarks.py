@@ -30,6 +30,15 @@ def test_benchmark_smoke(script, monkeypatch, capsys):
     assert results.read_text() == before
 
 
+@pytest.fixture(autouse=True)
+def _a_run_of_its_own(monkeypatch):
+    """Each test is a benchmark run of its own: no spread or section remembered from another."""
+    from benchmarks import common
+
+    monkeypatch.setattr(common, "_worst_spread", 0.0)
+    monkeypatch.setattr(common, "_found", {})
+
+
 def _results(tmp_path: Path) -> Path:
     path = tmp_path / "RESULTS.md"
     path.write_text("# Benchmark results\n")
@@ -49,6 +58,25 @@ def test_timings_taken_on_a_busy_machine_are_not_written(tmp_path, monkeypatch, 
     monkeypatch.setattr(common, "reference_spread", lambda: 1.2)  # another process came and went
     assert not common.write_section("kernels", "| table |", "python -m benchmarks.kernels", path)
     assert "spread is 120%" in capsys.readouterr().err
+
+
+def test_a_run_that_turns_busy_takes_back_the_rows_it_wrote(tmp_path, monkeypatch, capsys):
+    """A benchmark writing its section after every row: once a check finds the machine busy, the section is
+    what the run found, and stays so when the machine is quiet again (the run's rows are no better)."""
+    from benchmarks import common
+
+    if common.torch.cuda.is_available():
+        pytest.skip("GPU timings are not checked for CPU load")
+    path = _results(tmp_path)
+    path.write_text(path.read_text() + "\n<!-- surgery:begin -->\nlast quiet run\n<!-- surgery:end -->\n")
+    found = path.read_text()
+    monkeypatch.setattr(common, "_timed", True)
+    monkeypatch.setattr(common, "LOAD_AT_START", 0.1)
+    for spread, written in ((0.1, True), (4.3, False), (0.1, False)):
+        monkeypatch.setattr(common, "reference_spread", lambda spread=spread: spread)
+        assert common.write_section("surgery", "| row |", "python benchmarks/surgery.py", path) == written
+        assert ("| row |" in path.read_text()) == written
+    assert path.read_text() == found and "spread is 430%" in capsys.readouterr().err
 
 
 def test_quiet_timings_are_stamped_with_capability_and_load(tmp_path, monkeypatch):
