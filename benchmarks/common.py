@@ -118,14 +118,17 @@ def _section(key: str) -> re.Pattern:
 
 
 def _replace_section(path: Path, key: str, section: str | None) -> None:
-    """Put ``section`` (or nothing, for None) where ``key``'s section is in ``path``, or append it."""
-    text = path.read_text() if path.exists() else "# Benchmark results\n\nWritten by the scripts in `benchmarks/`.\n"
+    """Put ``section`` (or nothing, for None) where ``key``'s section is in ``path``, or append it; a file
+    that would not change is left alone."""
+    before = path.read_text() if path.exists() else None
+    text = before if before is not None else "# Benchmark results\n\nWritten by the scripts in `benchmarks/`.\n"
     pattern = _section(key)
     if pattern.search(text):
         text = pattern.sub(lambda _: section or "", text)
     elif section is not None:
         text = text.rstrip() + "\n\n" + section + "\n"
-    path.write_text(text)
+    if text != before and (before is not None or section is not None):
+        path.write_text(text)
 
 
 def write_section(key: str, body: str, command: str, path: Path = RESULTS) -> bool:

@@ -423,12 +423,11 @@ acc_t lane_sum(Vectorized<acc_t> v) {
   return at::vec::vec_reduce_all([](Vectorized<acc_t> a, Vectorized<acc_t> b) { return a + b; }, v);
 }
 
-// y = scale * z + shift for one pair of vectors of z as stored (narrow types rounded first, as a reader of z
-// sees it): what a stock affine of z computes. A null scale is 1, a null shift 0.
-template <typename acc_t, typename U>
-std::tuple<Vectorized<acc_t>, Vectorized<acc_t>> affine_pair(const U* z, const acc_t* scale, const acc_t* shift) {
+// y = scale * z + shift for one pair of vectors of z (a null scale is 1, a null shift 0).
+template <typename acc_t>
+std::tuple<Vectorized<acc_t>, Vectorized<acc_t>> affine_pair(Vectorized<acc_t> y0, Vectorized<acc_t> y1,
+                                                             const acc_t* scale, const acc_t* shift) {
   using Vec = Vectorized<acc_t>;
-  auto [y0, y1] = load_pair<acc_t>(z);
   if (scale != nullptr) {
     y0 = y0 * Vec::loadu(scale);
     y1 = y1 * Vec::loadu(scale + Vec::size());
@@ -482,9 +481,12 @@ void norm_forward_kernel(const T* x, int64_t rows, int64_t dim, double eps, bool
       U* yr = y == nullptr ? nullptr : y + row * dim;
       for (i = 0; i + kStep <= dim; i += kStep) {
         const auto [x0, x1] = load_pair<acc_t>(xr + i);
-        store_pair<acc_t>(zr + i, normalized(x0, vmean, vr), normalized(x1, vmean, vr));
+        const Vec z0 = normalized(x0, vmean, vr), z1 = normalized(x1, vmean, vr);
+        store_pair<acc_t>(zr + i, z0, z1);
         if (yr != nullptr) {
-          const auto [y0, y1] = affine_pair<acc_t>(zr + i, scale == nullptr ? nullptr : scale + i,
+          // the affine of z as stored: a narrower z is read back rounded, as its readers see it
+          const auto [s0, s1] = std::is_same_v<U, acc_t> ? std::make_tuple(z0, z1) : load_pair<acc_t>(zr + i);
+          const auto [y0, y1] = affine_pair<acc_t>(s0, s1, scale == nullptr ? nullptr : scale + i,
                                                    shift == nullptr ? nullptr : shift + i);
           store_pair<acc_t>(yr + i, y0, y1);
         }
