@@ -85,30 +85,32 @@ OPS = {
 
 
 @contextlib.contextmanager
-def forced_backend(name: str | None) -> Iterator[None]:
-    """LIGHTNING_LOWMEM_BACKEND=name inside the block (None: unset), restored after."""
+def forced_backend(name: str | None, device: torch.device) -> Iterator[None]:
+    """LIGHTNING_LOWMEM_BACKEND=name inside the block (None: unset) for the ops on ``device``, restored after."""
     old = os.environ.pop(kernels.ENV_VAR, None)
     if name is not None:
         os.environ[kernels.ENV_VAR] = name
     try:
+        kernels.backend(device)  # the ops on the device follow the variable from the next choice on
         yield
     finally:
         os.environ.pop(kernels.ENV_VAR, None)
         if old is not None:
             os.environ[kernels.ENV_VAR] = old
+        kernels.backend(device)
 
 
 def usable_backends(device: torch.device) -> list[str]:
     """The compiled backends that run tensors on ``device`` here."""
     usable = []
     for name in ("triton", "cuda") if device.type == "cuda" else ("cpp", "triton"):
-        with forced_backend(name):
-            try:
-                kernels.backend(device)
-            except RuntimeError as err:
-                print(f"backend {name}: not measured ({str(err).splitlines()[0]})", flush=True)
-            else:
-                usable.append(name)
+        try:
+            with forced_backend(name, device):
+                pass
+        except RuntimeError as err:
+            print(f"backend {name}: not measured ({str(err).splitlines()[0]})", flush=True)
+        else:
+            usable.append(name)
     return usable
 
 
@@ -140,7 +142,7 @@ def time_ops(device: torch.device, backends: list[str], shrink: int, repeats: in
 
         def fwd_bwd(fn: Callable, backend: str | None = None, inputs=inputs, grad=grad) -> Callable[[], object]:
             def run() -> object:
-                with forced_backend(backend):
+                with forced_backend(backend, device):
                     return torch.autograd.grad(fn(*inputs), inputs, grad)
 
             return run

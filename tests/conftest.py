@@ -57,8 +57,10 @@ def _fresh_backend_choice():
     from lightning_lowmem import kernels
 
     kernels._choose.cache_clear()
+    kernels._CHOSEN.clear()
     yield
     kernels._choose.cache_clear()
+    kernels._CHOSEN.clear()
 
 
 class SavedRecorder:

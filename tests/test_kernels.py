@@ -186,6 +186,7 @@ def test_ops_on_compiled_backend_agree_with_the_reference_backend(kernel_backend
 
     def output_and_grad(backend: str, op) -> tuple[torch.Tensor, torch.Tensor]:
         monkeypatch.setenv(kernels.ENV_VAR, backend)
+        kernels.backend(x.device)  # chosen again: the ops follow it
         leaf = x.clone().requires_grad_()
         out = op(leaf)
         weights = torch.linspace(-1, 1, out.numel(), device=out.device).view_as(out).to(dtype)
@@ -232,6 +233,26 @@ def test_backend_reports_what_runs(monkeypatch):
     monkeypatch.setenv(kernels.ENV_VAR, "fortran")
     with pytest.raises(ValueError, match="is not one of"):
         kernels.backend("cpu")
+
+
+def test_ops_run_the_backend_chosen_for_their_device(monkeypatch):
+    """The variable is read when a device's backend is chosen (its first op, or a backend() call), not per op:
+    the ops follow the last choice, also after the variable changed."""
+    cpu = torch.device("cpu")
+    x = torch.randn(3, 8, requires_grad=True)
+    monkeypatch.setenv(kernels.ENV_VAR, "torch")
+    first = functional.ms_layer_norm(x, (8,), weight=torch.ones(8))  # the first op on the CPU chooses
+    assert first.grad_fn.name() == "MemorySharingNormBackward"  # the Python function of the torch backend
+    monkeypatch.delenv(kernels.ENV_VAR)
+    assert kernels.implementation(cpu) is torch_ops and not kernels.autograd_in_cpp(cpu)
+    assert kernels.backend(cpu) == "cpp"  # chosen again
+    assert kernels.implementation(cpu) is library.OPS and kernels.autograd_in_cpp(cpu)
+    y = functional.ms_layer_norm(x, (8,), weight=torch.ones(8))
+    assert y.grad_fn.name().startswith("torch::autograd::CppNode")  # lowmem::ms_norm's C++ function
+    monkeypatch.setenv(kernels.ENV_VAR, "fortran")
+    with pytest.raises(ValueError, match="is not one of"):
+        kernels.backend(cpu)
+    assert kernels.implementation(cpu) is library.OPS  # a refused choice changes nothing
 
 
 def test_triton_runs_cuda_tensors_by_default_and_cpu_tensors_only_interpreted(monkeypatch):

@@ -11,7 +11,8 @@ says why (once) and the pure-PyTorch path runs. ``LIGHTNING_LOWMEM_BACKEND`` for
 ``torch`` everywhere; ``cpp`` for CPU tensors and ``cuda`` for CUDA tensors (each leaves the
 other device on its default); ``triton`` for CUDA tensors and, only under ``TRITON_INTERPRET=1``
 (Triton's interpreter: the test mode), CPU tensors. A forced backend that cannot run is an error,
-never a silent fallback.
+never a silent fallback. The variable is read when a device's backend is chosen: by its first op, and
+again by every :func:`backend` call (the ops follow its answer).
 """
 
 from __future__ import annotations
@@ -98,18 +99,29 @@ def _candidates(device_type: str, forced: str | None) -> tuple[str, ...]:
 def backend(device: torch.device | str | None = None) -> str:
     """Name of the implementation that runs for tensors on ``device`` (default: CPU).
 
-    The first call for a device type builds (or loads the cached build of) its extension; the answer is
-    kept for the process, per device and value of ``LIGHTNING_LOWMEM_BACKEND``.
+    Chooses it now, reading ``LIGHTNING_LOWMEM_BACKEND``: the ops on the device run this choice from then
+    on (the first op on a device makes one; set the variable before, or call this after changing it). The
+    first call for a device type builds (or loads the cached build of) its extension.
     """
-    return _resolve(str(torch.device(device if device is not None else "cpu")))
+    return _choose_for(str(torch.device(device if device is not None else "cpu")))
+
+
+_CHOSEN: dict[str, str] = {}  # device name -> the backend its ops run: backend()'s last answer for it
 
 
 @torch.compiler.assume_constant_result  # torch.compile runs it once, at trace time: no graph break
-def _resolve(device_name: str) -> str:
-    return _choose(device_name, os.environ.get(ENV_VAR))
+def _choose_for(device_name: str) -> str:
+    _CHOSEN[device_name] = name = _choose(device_name, os.environ.get(ENV_VAR))
+    return name
 
 
-@functools.cache  # asked on every call of an op: the answer for a device and setting is computed once
+@torch.compiler.assume_constant_result
+def _chosen(device_name: str) -> str:
+    """The backend the ops on a device run, asked on every call: no environment read once chosen."""
+    return _CHOSEN.get(device_name) or _choose_for(device_name)
+
+
+@functools.cache  # the answer for a device and setting is computed once (a build, a GPU query)
 def _choose(device_name: str, setting: str | None) -> str:
     device = torch.device(device_name)
     forced = _forced(setting)
@@ -130,7 +142,7 @@ def _choose(device_name: str, setting: str | None) -> str:
 def implementation(device: torch.device) -> Any:
     """What implements the kernel contract for tensors on ``device``: the ``torch.ops.lowmem``
     operators for the compiled C++/CUDA kernels, else the Triton or pure-PyTorch module."""
-    name = backend(device)
+    name = _chosen(str(device))
     if name == "torch":
         return torch_ops
     return _triton_module() if name == "triton" else library.OPS
@@ -140,4 +152,4 @@ def autograd_in_cpp(device: torch.device) -> bool:
     """Whether eager calls on ``device`` take the operators with autograd in C++ (``ms_norm``, ``affine_linear``,
     ``step_activation``, see :mod:`.library`): where a compiled extension serves the device and nothing is
     being traced (torch.compile traces the Python autograd functions, which compute the same)."""
-    return not torch.compiler.is_compiling() and _choose(str(device), os.environ.get(ENV_VAR)) in _EXTENSION_OF
+    return not torch.compiler.is_compiling() and _chosen(str(device)) in _EXTENSION_OF

@@ -48,12 +48,12 @@ class StepDerivativeActivation(torch.autograd.Function):
 
 def _apply(op: str, x: torch.Tensor, activation: str, bits: int) -> torch.Tensor:
     entry = get_activation(activation, op)
-    step = entry.step_derivative(check_bits(op, bits))
+    step = entry.steps[check_bits(op, bits)]
     check_float_tensor(op, x)
     if not needs_graph(x):
         return entry.stock(x)
     if entry.gated and x.is_contiguous() and kernels.autograd_in_cpp(x.device):
-        return library.OPS.step_activation(x, entry.name, step.thresholds, step.levels, op)
+        return library.OPS.step_activation.default(x, entry.name, step.thresholds, step.levels, op)
     return StepDerivativeActivation.apply(x, entry.stock, entry.name if entry.gated else None, step, op)
 
 

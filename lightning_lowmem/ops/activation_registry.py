@@ -12,7 +12,7 @@ are the ones the gated-MLP kernels have formulas for; their name is the kernels'
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, NamedTuple, get_args
 
 import torch
@@ -71,14 +71,16 @@ class Activation:
     stock: Callable[[torch.Tensor], torch.Tensor]
     paper_2bit: StepDerivative | None = None
     gated: bool = False
+    steps: dict[int, StepDerivative] = field(init=False, repr=False, compare=False)
+    """Its step derivative per code width, looked up on every call: the paper's constants where it has them."""
+
+    def __post_init__(self) -> None:
+        fitted = {bits: StepDerivative(*table) for bits, table in TABLES[self.name].items()}
+        object.__setattr__(self, "steps", fitted | ({2: self.paper_2bit} if self.paper_2bit is not None else {}))
 
     def step_derivative(self, bits: int = 2) -> StepDerivative:
         """The ``bits``-bit step derivative (the paper's constants where it has them)."""
-        check_bits(self.label, bits)
-        if bits == 2 and self.paper_2bit is not None:
-            return self.paper_2bit
-        thresholds, levels = TABLES[self.name][bits]
-        return StepDerivative(thresholds, levels)
+        return self.steps[check_bits(self.label, bits)]
 
 
 def _quick_gelu(x: torch.Tensor) -> torch.Tensor:
@@ -100,7 +102,8 @@ GATED_ACTIVATIONS: tuple[str, ...] = tuple(name for name, entry in ACTIVATIONS.i
 
 def get_activation(name: str, owner: str = "lightning_lowmem", gated: bool = False) -> Activation:
     """The registry entry of ``name`` (a ValueError naming ``owner`` and the choices otherwise)."""
-    choices = GATED_ACTIVATIONS if gated else tuple(ACTIVATIONS)
-    if name not in choices:
+    entry = ACTIVATIONS.get(name) if isinstance(name, str) else None
+    if entry is None or (gated and not entry.gated):
+        choices = GATED_ACTIVATIONS if gated else tuple(ACTIVATIONS)
         raise ValueError(f"{owner}: activation must be one of {choices}, got {name!r}")
-    return ACTIVATIONS[name]
+    return entry

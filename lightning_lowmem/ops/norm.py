@@ -137,7 +137,7 @@ def memory_sharing_norm(
         x.requires_grad or (weight is not None and weight.requires_grad) or (bias is not None and bias.requires_grad)
     ):
         if affine and kernels.autograd_in_cpp(x.device):
-            return library.OPS.ms_norm(x, weight, bias, dim, eps, center, out_dtype, weight_offset, name)
+            return library.OPS.ms_norm.default(x, weight, bias, dim, eps, center, out_dtype, weight_offset, name)
         out = MemorySharingNorm.apply(x, weight, bias, dim, eps, center, out_dtype, weight_offset, name)
         return out if affine else (out, out)
     impl = kernels.implementation(x.device)
