@@ -89,7 +89,15 @@ def _norm_forward_kernel(x_ptr, z_ptr, rstd_ptr, dim, eps, CENTER: tl.constexpr,
 
 @triton.jit
 def _norm_backward_kernel(
-    grad_ptr, z_ptr, rstd_ptr, scale_ptr, out_ptr, dim, CENTER: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK: tl.constexpr
+    grad_ptr,
+    z_ptr,
+    rstd_ptr,
+    scale_ptr,
+    out_ptr,
+    dim,
+    CENTER: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     # Paper, algorithms 2-3 on g = dL/dy * scale: dx = rstd * (g - mean(g) - z * mean(g*z)); RMSNorm drops mean(g).
     row = tl.program_id(0).to(tl.int64)
@@ -304,7 +312,9 @@ def norm_backward(
             f"norm_backward: expected {rows} rstd values of dtype float32, got {rstd.numel()} of {rstd.dtype}"
         )
     if scale is not None and (scale.numel() != dim or scale.dtype != torch.float32):
-        raise ValueError(f"norm_backward: expected {dim} scale values of dtype float32, got {scale.numel()} of {scale.dtype}")
+        raise ValueError(
+            f"norm_backward: expected {dim} scale values of dtype float32, got {scale.numel()} of {scale.dtype}"
+        )
     grad = grad.to(z.dtype).contiguous()
     grad_input = torch.empty(z.shape, dtype=dtype, device=z.device)
     sums = rstd.new_zeros(2, dim) if column_sums else rstd.new_empty(0)

@@ -100,10 +100,14 @@ class MemorySharingNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps
         name = "ms_layer_norm" if self.center else "ms_rms_norm"
-        y, z = memory_sharing_norm(x, self.normalized_shape, eps, self.center, self.weight, self.bias, self.weight_offset, name)
+        y, z = memory_sharing_norm(
+            x, self.normalized_shape, eps, self.center, self.weight, self.bias, self.weight_offset, name
+        )
         if torch.is_grad_enabled():  # only a training forward saves anything worth sharing
             if torch.compiler.is_compiling():
-                y = y.view_as(y)  # dynamo (torch 2.14) sets no attribute on a custom operator's output, on a view it does
+                y = y.view_as(
+                    y
+                )  # dynamo (torch 2.14) sets no attribute on a custom operator's output, on a view it does
             setattr(y, _TAG, (self, None if y is z else z, y._version))  # no reference cycle through y itself
         return y
 

@@ -49,7 +49,9 @@ class MemorySharingNorm(torch.autograd.Function):
         impl = kernels.implementation(x.device)
         affine = gamma is not None or beta is not None
         if affine:
-            y, z, rstd = impl.norm_affine_forward(x, dim, eps, center, out_dtype, *affine_values(x.dtype, gamma, beta, offset))
+            y, z, rstd = impl.norm_affine_forward(
+                x, dim, eps, center, out_dtype, *affine_values(x.dtype, gamma, beta, offset)
+            )
         else:
             z, rstd = impl.norm_forward(x, dim, eps, center, out_dtype)
         # an input that needs no gradient (the first norm on frozen embeddings) keeps no rstd: the affine's
@@ -144,7 +146,9 @@ def memory_sharing_norm(
     if not affine:
         z, _ = impl.norm_forward(x, dim, eps, center, out_dtype)
         return z, z
-    y, z, _ = impl.norm_affine_forward(x, dim, eps, center, out_dtype, *affine_values(x.dtype, weight, bias, weight_offset))
+    y, z, _ = impl.norm_affine_forward(
+        x, dim, eps, center, out_dtype, *affine_values(x.dtype, weight, bias, weight_offset)
+    )
     return y, z
 
 
