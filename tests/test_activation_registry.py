@@ -72,6 +72,9 @@ def test_code_bits_and_gated_choices():
         get_activation("mish", "GatedMLP", gated=True)
     with pytest.raises(ValueError, match="activation must be one of"):
         get_activation("relu")
+    with pytest.raises(ValueError, match=r"activation must be one of .*got \['gelu'\]"):
+        get_activation(["gelu"])  # unhashable: refused by name too, not a TypeError from the lookup
+    assert get_activation("silu", gated=True) is activation_registry.ACTIVATIONS["silu"]
 
 
 def test_generator_reproduces_the_committed_tables_file():

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from lightning_lowmem.functional import ms_layer_norm, ms_rms_norm
 from lightning_lowmem.memory import SavedTensorMeter
+from lightning_lowmem.ops.autocast import autocast_dtype
 
 NORMS = {
     "layer": (ms_layer_norm, lambda x, shape, eps: F.layer_norm(x, shape, eps=eps)),
@@ -147,6 +148,12 @@ def test_output_dtype_is_input_dtype_without_autocast_and_autocast_dtype_with_it
         assert ms_rms_norm(x.double(), 8).dtype == torch.float64
     y = ms_layer_norm(x.bfloat16(), 8)
     assert y.dtype == torch.bfloat16
+
+
+def test_autocast_dtype_is_none_when_off_and_for_device_types_autocast_does_not_know():
+    assert autocast_dtype("cpu") is None and autocast_dtype("meta") is None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert autocast_dtype("cpu") == torch.bfloat16 and autocast_dtype("meta") is None
 
 
 def test_non_contiguous_input():
