@@ -110,3 +110,22 @@ def test_interleaved_rounds_alternate_which_function_runs_first():
     calls: list[str] = []
     common.interleaved_median({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, repeats=3, warmup=0)
     assert calls == ["a", "b", "b", "a", "a", "b"]
+
+
+def test_the_gpu_benchmark_forces_a_backend_for_the_ops_of_a_device_and_gives_it_back(monkeypatch):
+    """benchmarks/gpu.py times each backend in one process: the ops follow the forced variable inside the block
+    and the default after it, also when the forced backend cannot run (shown on the CPU: no GPU needed)."""
+    import torch
+
+    from benchmarks import gpu
+    from lightning_lowmem import kernels
+    from lightning_lowmem.kernels import library, torch_ops
+
+    monkeypatch.delenv(kernels.ENV_VAR, raising=False)
+    cpu = torch.device("cpu")
+    with gpu.forced_backend("torch", cpu):
+        assert kernels.implementation(cpu) is torch_ops and not kernels.autograd_in_cpp(cpu)
+    assert kernels.implementation(cpu) is library.OPS and kernels.autograd_in_cpp(cpu)
+    monkeypatch.setattr(kernels, "_triton_unusable", lambda device: "no Triton here")
+    assert gpu.usable_backends(cpu) == ["cpp"]  # triton refused with its reason, the choice given back
+    assert kernels.implementation(cpu) is library.OPS
