@@ -10,7 +10,7 @@ AdamW step), interleaved with the stock model in the same process.
 converted, what it left alone and why, and the memory saved (fp32) into the README's table
 "Which models convert what".
 
-    python benchmarks/surgery.py [--quick | --zoo]
+    python benchmarks/surgery.py [--quick | --smoke | --zoo]
 """
 
 from __future__ import annotations
@@ -47,10 +47,10 @@ def lora(model: nn.Module, targets: list[str]) -> nn.Module:
     return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets))
 
 
-def vit(setting: str) -> nn.Module:
+def vit(setting: str, img_size: int = 224) -> nn.Module:
     import timm
 
-    model = timm.create_model("vit_small_patch16_224", pretrained=False)
+    model = timm.create_model("vit_small_patch16_224", pretrained=False, img_size=img_size)
     return lora(model, VIT_LORA[setting]) if setting in VIT_LORA else model
 
 
@@ -119,11 +119,12 @@ NOISE_FLOOR = "stock vs its own copy (noise floor)"
 def cases(image: torch.Tensor, tokens: torch.Tensor):
     """(model, setting, build, batch) for every row; fp32 first, it is the faster one on CPU; the noise floor
     (the stock model timed against itself) first of all."""
-    yield "vit_small_patch16_224", NOISE_FLOOR, False, lambda: vit("full fine-tuning"), image
+    side = image.shape[-1]
+    yield "vit_small_patch16_224", NOISE_FLOOR, False, lambda: vit("full fine-tuning", side), image
     for autocast in (False, True):
         for setting in ("full fine-tuning", *VIT_LORA):
-            yield "vit_small_patch16_224", setting, autocast, lambda setting=setting: vit(setting), image
-        yield "Llama (4 layers, d=256), seq 256", "LoRA on all linears", autocast, llama, tokens
+            yield "vit_small_patch16_224", setting, autocast, lambda setting=setting: vit(setting, side), image
+        yield f"Llama (4 layers, d=256), seq {tokens.shape[-1]}", "LoRA on all linears", autocast, llama, tokens
 
 
 def _count(report: LowMemReport, kind: str) -> str:
@@ -198,16 +199,19 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer timing repeats")
     parser.add_argument("--time-rows", type=int, default=None, help="time only the first N rows (slow CPUs)")
     parser.add_argument("--zoo", action="store_true", help="the README table of every family in benchmarks/zoo.py")
+    parser.add_argument("--smoke", action="store_true", help="32x32 images, 16 tokens, two rows timed once, no writes")
     args = parser.parse_args()
     if args.zoo:
         zoo()
         return
-    repeats = 3 if args.quick else 15
+    repeats = 1 if args.smoke else 3 if args.quick else 15
+    time_rows = 2 if args.smoke else args.time_rows
+    side, seq = (32, 16) if args.smoke else (224, 256)
     header = ["model (batch 4)", "setting", "precision", "stock MiB", "lowmem MiB", "reduction", "step time ratio"]
     rows = []
-    image, tokens = torch.randn(4, 3, 224, 224), torch.randint(0, 1024, (4, 256))
+    image, tokens = torch.randn(4, 3, side, side), torch.randint(0, 1024, (4, seq))
     for row, (model, setting, autocast, build, batch) in enumerate(cases(image, tokens)):
-        timed = args.time_rows is None or row < args.time_rows
+        timed = time_rows is None or row < time_rows
         before, after, ratio = compare(build, batch, autocast, repeats if timed else 0, setting != NOISE_FLOOR)
         precision = "bf16 autocast" if autocast else "fp32"
         reduction = f"{100 * (1 - after / before):.1f}%"
@@ -234,7 +238,9 @@ def main() -> None:
             "row times the stock model against its own copy: ratios within its distance from 1.00 are noise; "
             f"kernel backend `{kernels.backend()}`.\n\n" + markdown_table(header, rows)
         )
-        write_section("surgery", body, " ".join(["python benchmarks/surgery.py", *sys.argv[1:]]))
+        if not args.smoke:
+            write_section("surgery", body, " ".join(["python benchmarks/surgery.py", *sys.argv[1:]]))
+    print(markdown_table(header, rows))
 
 
 if __name__ == "__main__":

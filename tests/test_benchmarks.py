@@ -17,6 +17,7 @@ SMOKE = {
     "gated_mlp.py": ["--smoke"],
     "budget.py": ["--smoke"],
     "qlora.py": ["--smoke"],
+    "surgery.py": ["--smoke"],
 }
 
 
