@@ -1,8 +1,9 @@
 """Low-memory ops against the stock ops they replace: forward, backward, forward+backward.
 
 Ratios are low-memory time / stock time (below 1 is faster), measured in one process,
-interleaved, median of repeated runs after warm-up. The stock norms are affine-free, like
-the low-memory ones. "bw" is the bandwidth a compiled kernel reaches (bytes it must read and
+interleaved, median of repeated runs after warm-up. The norms are affine-free, except in the
+rows with a frozen affine (a weight and bias that need no gradient, as under LoRA): the affine is
+fused in the low-memory norm's kernel, stock LayerNorm applies it in its own. "bw" is the bandwidth a compiled kernel reaches (bytes it must read and
 write / its time) as a fraction of what ``torch.add`` reaches on tensors of the same shape and
 dtype. Writes the "kernels" section of ``benchmarks/RESULTS.md``.
 
@@ -12,6 +13,7 @@ dtype. Writes the "kernels" section of ``benchmarks/RESULTS.md``.
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 from collections.abc import Callable
 
@@ -24,12 +26,30 @@ from lightning_lowmem.ops.activation_registry import GELU_2BIT, SILU_2BIT
 
 SHAPES = ((8, 197, 3072), (8, 197, 768), (2, 2048, 11008), (2, 2048, 4096))
 DTYPES = (torch.float32, torch.bfloat16)
+
+
+@functools.cache
+def frozen_affine(dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """A norm's weight and bias that need no gradient (LoRA leaves the norms frozen), made once per shape."""
+    generator = torch.Generator().manual_seed(0)
+    return tuple(torch.randn(dim, generator=generator).to(dtype) for _ in range(2))
+
+
+def ms_layer_norm_frozen_affine(x: torch.Tensor) -> torch.Tensor:
+    weight, bias = frozen_affine(x.shape[-1], x.dtype)
+    return functional.ms_layer_norm(x, x.shape[-1:], weight=weight, bias=bias)
+
+
 OPS: dict[str, tuple[Callable, Callable]] = {  # name -> (low-memory op, stock op)
     "ReGELU2 / gelu": (functional.regelu2, F.gelu),
     "ReSiLU2 / silu": (functional.resilu2, F.silu),
     "MS-LN / layer_norm": (
         lambda x: functional.ms_layer_norm(x, x.shape[-1:]),
         lambda x: F.layer_norm(x, x.shape[-1:]),
+    ),
+    "MS-LN / layer_norm, frozen affine": (
+        ms_layer_norm_frozen_affine,
+        lambda x: F.layer_norm(x, x.shape[-1:], *frozen_affine(x.shape[-1], x.dtype)),
     ),
     "MS-RMSNorm / rms_norm": (
         lambda x: functional.ms_rms_norm(x, x.shape[-1:]),
@@ -63,6 +83,18 @@ def kernel_calls(name: str, x: torch.Tensor, g: torch.Tensor) -> dict[str, tuple
         }
     center = name.startswith("MS-LN")
     z, rstd = impl.norm_forward(x, dim, 1e-5, center, x.dtype)
+    if name.endswith("frozen affine"):  # writes y besides z; its backward scales by the weight
+        weight, bias = (p.float() for p in frozen_affine(dim, x.dtype))
+        return {
+            "fwd": (
+                lambda: impl.norm_affine_forward(x, dim, 1e-5, center, x.dtype, weight, bias),
+                3 * n * size + 4 * rows,
+            ),
+            "bwd": (
+                lambda: impl.norm_backward(g, z, rstd, weight, dim, center, x.dtype, False),
+                3 * n * size + 4 * rows,
+            ),
+        }
     return {
         "fwd": (lambda: impl.norm_forward(x, dim, 1e-5, center, x.dtype), 2 * n * size + 4 * rows),
         "bwd": (lambda: impl.norm_backward(g, z, rstd, None, dim, center, x.dtype, False), 3 * n * size + 4 * rows),
