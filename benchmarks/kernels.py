@@ -169,7 +169,10 @@ def main() -> None:
         "Time ratios low-memory / stock (below 1 = faster; targets: fwd+bwd <= 1.0), medians of "
         f'{args.repeats} interleaved runs. "bw": bytes the compiled kernel must move / its time, as a fraction of the bandwidth '
         "`torch.add` reaches on the same shape and dtype (the forward activation kernel computes the "
-        "codes only; the op adds the stock activation).\n\n" + table
+        "codes only; the op adds the stock activation). The norms are affine-free except in the rows with a "
+        "frozen affine (weight and bias needing no gradient, as under LoRA): there the low-memory norm writes "
+        "`z`, the tensor its consumer linears save, besides its output: one activation-sized write more "
+        "than stock's forward.\n\n" + table
     )
     write_section("kernels", body, f"python -m benchmarks.kernels --repeats {args.repeats}")
 
