@@ -3,9 +3,9 @@
 Ratios are low-memory time / stock time (below 1 is faster), measured in one process,
 interleaved, median of repeated runs after warm-up. The norms are affine-free, except in the
 rows with a frozen affine (a weight and bias that need no gradient, as under LoRA): the affine is
-fused in the low-memory norm's kernel, stock LayerNorm applies it in its own. "bw" is the bandwidth a compiled kernel reaches (bytes it must read and
-write / its time) as a fraction of what ``torch.add`` reaches on tensors of the same shape and
-dtype. Writes the "kernels" section of ``benchmarks/RESULTS.md``.
+fused in the low-memory norm's kernel, stock LayerNorm applies it in its own. "bw" is the
+bandwidth a compiled kernel reaches (bytes it must read and write / its time) as a fraction of
+what ``torch.add`` reaches on tensors of the same shape and dtype. Writes the "kernels" section of ``benchmarks/RESULTS.md``.
 
     python -m benchmarks.kernels [--repeats N] [--quick]
 """
@@ -83,21 +83,17 @@ def kernel_calls(name: str, x: torch.Tensor, g: torch.Tensor) -> dict[str, tuple
         }
     center = name.startswith("MS-LN")
     z, rstd = impl.norm_forward(x, dim, 1e-5, center, x.dtype)
+    scale = shift = None
+    forward = (lambda: impl.norm_forward(x, dim, 1e-5, center, x.dtype), 2 * n * size + 4 * rows)
     if name.endswith("frozen affine"):  # writes y besides z; its backward scales by the weight
-        weight, bias = (p.float() for p in frozen_affine(dim, x.dtype))
-        return {
-            "fwd": (
-                lambda: impl.norm_affine_forward(x, dim, 1e-5, center, x.dtype, weight, bias),
-                3 * n * size + 4 * rows,
-            ),
-            "bwd": (
-                lambda: impl.norm_backward(g, z, rstd, weight, dim, center, x.dtype, False),
-                3 * n * size + 4 * rows,
-            ),
-        }
+        scale, shift = (p.float() for p in frozen_affine(dim, x.dtype))
+        forward = (
+            lambda: impl.norm_affine_forward(x, dim, 1e-5, center, x.dtype, scale, shift),
+            3 * n * size + 4 * rows,
+        )
     return {
-        "fwd": (lambda: impl.norm_forward(x, dim, 1e-5, center, x.dtype), 2 * n * size + 4 * rows),
-        "bwd": (lambda: impl.norm_backward(g, z, rstd, None, dim, center, x.dtype, False), 3 * n * size + 4 * rows),
+        "fwd": forward,
+        "bwd": (lambda: impl.norm_backward(g, z, rstd, scale, dim, center, x.dtype, False), 3 * n * size + 4 * rows),
     }
 
 

@@ -105,9 +105,8 @@ class MemorySharingNorm(nn.Module):
         )
         if torch.is_grad_enabled():  # only a training forward saves anything worth sharing
             if torch.compiler.is_compiling():
-                y = y.view_as(
-                    y
-                )  # dynamo (torch 2.14) sets no attribute on a custom operator's output, on a view it does
+                # dynamo (torch 2.14) sets no attribute on a custom operator's output, on a view it does
+                y = y.view_as(y)
             setattr(y, _TAG, (self, None if y is z else z, y._version))  # no reference cycle through y itself
         return y
 
