@@ -6,9 +6,11 @@ markers) and rewrites only that section, so benchmarks can run in any order.
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import platform
+import random
 import re
 import statistics
 import sys
@@ -44,25 +46,45 @@ MAX_SPREAD = 0.30
 _timed = False  # whether this process took timings (a section of memory numbers needs no quiet machine)
 
 
-def interleaved_median(fns: dict[str, Callable[[], object]], repeats: int = 20, warmup: int = 3) -> dict[str, float]:
-    """Median wall time (seconds) of each function, run round-robin (in reverse order every other round, so that
-    neither always runs first) so drift hits all alike."""
+def interleaved_times(
+    fns: dict[str, Callable[[], object]], repeats: int = 20, warmup: int = 3
+) -> dict[str, list[float]]:
+    """Wall times (seconds) of each function, one per round, run round-robin in every order in turn (the
+    permutations cycled; two functions swap every other round), so that drift hits all alike and none always
+    runs first or last."""
     global _timed
     _timed = True
     for _ in range(warmup):
         for fn in fns.values():
             fn()
+    orders = list(itertools.permutations(fns))
     samples: dict[str, list[float]] = {name: [] for name in fns}
     for round_ in range(repeats):
-        for name, fn in list(fns.items())[:: 1 if round_ % 2 == 0 else -1]:
+        for name in orders[round_ % len(orders)]:
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
             start = time.perf_counter()
-            fn()
+            fns[name]()
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
             samples[name].append(time.perf_counter() - start)
-    return {name: statistics.median(times) for name, times in samples.items()}
+    return samples
+
+
+def interleaved_median(fns: dict[str, Callable[[], object]], repeats: int = 20, warmup: int = 3) -> dict[str, float]:
+    """Median wall time (seconds) of each function, timed by :func:`interleaved_times`."""
+    return {name: statistics.median(times) for name, times in interleaved_times(fns, repeats, warmup).items()}
+
+
+def paired_ratio(times: list[float], reference: list[float], confidence: float = 0.95) -> tuple[float, float, float]:
+    """The median of the per-round ratios ``times / reference`` (timed in the same rounds) and the bounds of its
+    bootstrap ``confidence`` interval: how far this machine's noise lets the ratio be read."""
+    ratios = [t / r for t, r in zip(times, reference, strict=True)]
+    rng = random.Random(0)  # the same resamples every run: the interval is a property of the samples
+    resamples = 2000
+    medians = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(resamples))
+    tail = int(resamples * (1 - confidence) / 2)
+    return statistics.median(ratios), medians[tail], medians[-1 - tail]
 
 
 def reference_spread(repeats: int = 60) -> float:

@@ -27,7 +27,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import interleaved_median, markdown_table, write_section
+from benchmarks.common import interleaved_times, markdown_table, paired_ratio, write_section
 from benchmarks.zoo import FAMILIES, Family
 from lightning_lowmem import kernels
 from lightning_lowmem.memory import MIB, SavedTensorMeter
@@ -92,11 +92,11 @@ def step_fn(model: nn.Module, batch: torch.Tensor, autocast: bool) -> Callable[[
 
 def compare(
     build: Callable[[], nn.Module], batch: torch.Tensor, autocast: bool, repeats: int, convert: bool = True
-) -> tuple[int, int, float | None]:
-    """Saved bytes stock -> converted, and the step time ratio. Both models are copies of one built model (a
-    copy's parameters lie differently in memory from a freshly initialised model's, which alone moves CPU
-    step times by a few percent); ``convert=False`` times the stock model against its own copy: the noise
-    floor of the ratio."""
+) -> tuple[int, int, tuple[float, float, float] | None]:
+    """Saved bytes stock -> converted, and the step time ratio with its 95% interval
+    (:func:`~benchmarks.common.paired_ratio`). Both models are copies of one built model (a copy's parameters lie
+    differently in memory from a freshly initialised model's, which alone moves CPU step times by a few percent);
+    ``convert=False`` times the stock model against its own copy: the noise floor of the ratio."""
     torch.manual_seed(0)
     built = build().train()
     stock, converted = copy.deepcopy(built), copy.deepcopy(built)
@@ -106,11 +106,11 @@ def compare(
     before, after = saved_bytes(stock, batch, autocast), saved_bytes(converted, batch, autocast)
     if not repeats:
         return before, after, None
-    times = interleaved_median(
+    times = interleaved_times(
         {"stock": step_fn(stock, batch, autocast), "lowmem": step_fn(converted, batch, autocast)},
         repeats=repeats, warmup=1,
     )  # fmt: skip
-    return before, after, times["lowmem"] / times["stock"]
+    return before, after, paired_ratio(times["lowmem"], times["stock"])
 
 
 NOISE_FLOOR = "stock vs its own copy (noise floor)"
@@ -204,10 +204,12 @@ def main() -> None:
     if args.zoo:
         zoo()
         return
-    repeats = 1 if args.smoke else 3 if args.quick else 15
+    repeats = 1 if args.smoke else 5 if args.quick else 30
     time_rows = 2 if args.smoke else args.time_rows
     side, seq = (32, 16) if args.smoke else (224, 256)
-    header = ["model (batch 4)", "setting", "precision", "stock MiB", "lowmem MiB", "reduction", "step time ratio"]
+    header = [
+        "model (batch 4)", "setting", "precision", "stock MiB", "lowmem MiB", "reduction", "step time ratio (95% interval)"
+    ]  # fmt: skip
     rows = []
     image, tokens = torch.randn(4, 3, side, side), torch.randint(0, 1024, (4, seq))
     for row, (model, setting, autocast, build, batch) in enumerate(cases(image, tokens)):
@@ -223,7 +225,7 @@ def main() -> None:
                 f"{before / MIB:.1f}",
                 f"{after / MIB:.1f}",
                 reduction,
-                "not timed" if ratio is None else f"{ratio:.2f}",
+                "not timed" if ratio is None else "{:.2f} ({:.2f}-{:.2f})".format(*ratio),
             ]
         )
         print(rows[-1], flush=True)
@@ -234,8 +236,10 @@ def main() -> None:
             "whose consumer linears save the norm's output, weights recast in backward, LLaMA's gated "
             "MLPs fused). LoRA: peft "
             "r=4, dropout 0. Step time ratio: whole training step (forward, backward, AdamW), lowmem / "
-            f"stock, interleaved median of {repeats} in the same process, both models copies of one; the first "
-            "row times the stock model against its own copy: ratios within its distance from 1.00 are noise; "
+            f"stock: the median of the per-round ratios of {repeats} rounds in the same process, the two models' "
+            "steps in alternating order, both models copies of one; in brackets the ratio's 95% bootstrap "
+            "interval, how far this machine's noise lets it be read. The first row times the stock model against "
+            "its own copy: ratios within its distance from 1.00 are noise; "
             f"kernel backend `{kernels.backend()}`.\n\n" + markdown_table(header, rows)
         )
         if not args.smoke:

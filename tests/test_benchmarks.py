@@ -113,6 +113,30 @@ def test_interleaved_rounds_alternate_which_function_runs_first():
     assert calls == ["a", "b", "b", "a", "a", "b"]
 
 
+def test_interleaved_rounds_of_three_functions_take_every_order_in_turn():
+    from benchmarks import common
+
+    calls: list[str] = []
+    times = common.interleaved_times({name: lambda name=name: calls.append(name) for name in "abc"}, 6, warmup=0)
+    rounds = {"".join(calls[i : i + 3]) for i in range(0, 18, 3)}
+    assert rounds == {"abc", "acb", "bac", "bca", "cab", "cba"}
+    assert {name: len(samples) for name, samples in times.items()} == {"a": 6, "b": 6, "c": 6}
+
+
+def test_paired_ratio_is_the_median_of_the_per_round_ratios_within_its_interval():
+    from benchmarks import common
+
+    reference = [1.0, 2.0, 4.0, 1.0, 3.0, 2.0, 5.0]
+    times = [1.1 * r for r in reference]
+    assert common.paired_ratio(times, reference) == pytest.approx((1.1, 1.1, 1.1))  # drift cancels out round by round
+    noisy = [r * f for r, f in zip(reference, (0.9, 1.3, 1.0, 1.1, 0.8, 1.2, 1.05))]
+    median, low, high = common.paired_ratio(noisy, reference)
+    assert median == pytest.approx(1.05)
+    assert 0.8 <= low < median < high <= 1.3
+    with pytest.raises(ValueError):  # samples of different rounds cannot be paired
+        common.paired_ratio(noisy[:-1], reference)
+
+
 def test_the_gpu_benchmark_forces_a_backend_for_the_ops_of_a_device_and_gives_it_back(monkeypatch):
     """benchmarks/gpu.py times each backend in one process: the ops follow the forced variable inside the block
     and the default after it, also when the forced backend cannot run (shown on the CPU: no GPU needed)."""
