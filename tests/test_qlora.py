@@ -99,6 +99,23 @@ def test_frozen_4bit_layers_without_lora_are_consumers(tmp_path):
     assert held_bytes(model, x) <= 0.75 * held_bytes(stock, x)
 
 
+def test_probes_leave_4bit_weights_as_they_are(tmp_path):
+    """On a CPU with AVX512-BF16, bitsandbytes repacks a Linear4bit's weight in place on an eval forward without
+    grad (asserting that its output size is a multiple of 32, none is here): forced on, the surgery's probe
+    forwards must not trigger it."""
+    stock = qlora.qlora_llama(tmp_path, 48, 80, heads=4, layers=1, rank=RANK)
+    layers = lambda m: [layer for layer in m.modules() if isinstance(layer, bnb.nn.Linear4bit)]
+    for layer in layers(stock):
+        layer.support_avx512bf16_for_cpu = True
+    model, report = converted(stock, tokens())
+    assert set(norm_status(report).values()) == {"converted"}
+    assert isinstance(model.get_submodule(PREFIX + "layers.0.mlp"), GatedMLP)
+    for ours, theirs in zip(layers(model), layers(stock), strict=True):
+        assert ours.support_avx512bf16_for_cpu
+        assert not getattr(ours.weight.quant_state, "packing_format_for_cpu", False)
+        assert torch.equal(ours.weight, theirs.weight)
+
+
 def test_qlora_trains(tmp_path):
     """A few AdamW steps under bf16 autocast: finite losses, nonzero LoRA gradients close to stock QLoRA's, the
     quantized weights untouched."""

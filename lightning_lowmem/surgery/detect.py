@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Literal
 
@@ -148,7 +149,11 @@ def fused_gated_mlp(stock: nn.Module, layout: GatedLayout) -> GatedMLPBase:
     flags = [(m, m.training) for m in stock.modules()]
     try:
         stock.eval()
-        with torch.no_grad(), torch.autocast(x.device.type, enabled=False):  # what it computes, not in which precision
+        with (
+            torch.no_grad(),
+            torch.autocast(x.device.type, enabled=False),
+            no_weight_repacking(stock),
+        ):  # what it computes, not in which precision
             same = torch.allclose(new(x), stock(x), rtol=1e-4, atol=1e-5)
     except Exception as err:  # noqa: BLE001 - any failure means: not the stock layout's computation
         raise NotConvertible(f"probe call failed ({type(err).__name__})") from None
@@ -203,6 +208,22 @@ def is_frozen_4bit_linear(module: nn.Module) -> bool:
     ``nn.Linear`` does. Not ``Linear8bitLt``: its function keeps its input (as a ``ctx`` attribute)."""
     bnb = sys.modules.get("bitsandbytes")  # not imported: no module is one
     return bnb is not None and isinstance(module, bnb.nn.Linear4bit)
+
+
+@contextmanager
+def no_weight_repacking(model: nn.Module) -> Iterator[None]:
+    """For a probe forward in eval mode without grad: bitsandbytes' ``Linear4bit`` (0.50 here) on a CPU with
+    AVX512-BF16 repacks its weight in place for an inference kernel on such a call; it fails when the output size
+    is no multiple of 32, and training then runs through a kernel without autograd (LoRA gradients off by
+    several percent). Switched off here, so that a probe leaves the model as it was."""
+    layers = [m for m in model.modules() if getattr(m, "support_avx512bf16_for_cpu", False)]
+    for layer in layers:
+        layer.support_avx512bf16_for_cpu = False
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.support_avx512bf16_for_cpu = True
 
 
 def _probe_linear(module: nn.Module, weight: torch.Tensor, bias: torch.Tensor | None) -> LinearKind | None:
