@@ -15,12 +15,13 @@ from __future__ import annotations
 import argparse
 import functools
 import math
+import statistics
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import interleaved_median, markdown_table, write_section
+from benchmarks.common import interleaved_times, markdown_table, paired_ratio, write_section
 from lightning_lowmem import functional, kernels
 from lightning_lowmem.ops.activation_registry import GELU_2BIT, SILU_2BIT
 
@@ -111,17 +112,20 @@ def measure(name: str, shape: tuple[int, ...], dtype: torch.dtype, repeats: int)
     calls = kernel_calls(name, detached, g)
     for phase, (fn, _) in calls.items():
         fns[("kernel", phase)] = fn
-    t = interleaved_median(fns, repeats=repeats)
+    samples = interleaved_times(fns, repeats=repeats)
+    t = {key: statistics.median(times) for key, times in samples.items()}
     add_bandwidth = 3 * math.prod(shape) * x.element_size() / t[("add", "")]
-    ratio = {phase: t[("low", phase)] / t[("stock", phase)] for phase in ("fwd", "bwd", "fwd+bwd")}
+    ratio = {
+        phase: paired_ratio(samples[("low", phase)], samples[("stock", phase)]) for phase in ("fwd", "bwd", "fwd+bwd")
+    }
     bandwidth = {phase: nbytes / t[("kernel", phase)] / add_bandwidth for phase, (_, nbytes) in calls.items()}
     return [
         name,
         "x".join(map(str, shape)),
         str(dtype).removeprefix("torch."),
-        f"{ratio['fwd']:.2f}",
-        f"{ratio['bwd']:.2f}",
-        f"**{ratio['fwd+bwd']:.2f}**",
+        f"{ratio['fwd'][0]:.2f}",
+        f"{ratio['bwd'][0]:.2f}",
+        "**{:.2f}** ({:.2f}-{:.2f})".format(*ratio["fwd+bwd"]),
         f"{t[('stock', 'fwd+bwd')] * 1e3:.1f}",
         f"{t[('low', 'fwd+bwd')] * 1e3:.1f}",
         f"{bandwidth['fwd']:.2f}",
@@ -135,7 +139,7 @@ HEADER = [
     "dtype",
     "fwd",
     "bwd",
-    "fwd+bwd",
+    "fwd+bwd (95% interval)",
     "stock fwd+bwd ms",
     "low-mem fwd+bwd ms",
     "fwd kernel bw",
@@ -150,6 +154,9 @@ def main() -> None:
     args = parser.parse_args()
     active = kernels.backend("cpu")
     print(f"backend: {active}, threads: {torch.get_num_threads()}")
+    # the first timing in a process is slow for low-mem and stock alike, and unevenly (the thread pool
+    # starting, malloc growing its heap): a throwaway measurement of the first row comes first
+    measure(next(iter(OPS)), SHAPES[0], DTYPES[0], args.repeats)
     rows = []
     for name in OPS:
         for shape in SHAPES[:2] if args.quick else SHAPES:
@@ -162,8 +169,9 @@ def main() -> None:
         return
     body = (
         f"### Compiled kernels (backend `{active}`)\n\n"
-        "Time ratios low-memory / stock (below 1 = faster; targets: fwd+bwd <= 1.0), medians of "
-        f'{args.repeats} interleaved runs. "bw": bytes the compiled kernel must move / its time, as a fraction of the bandwidth '
+        "Time ratios low-memory / stock (below 1 = faster; targets: fwd+bwd <= 1.0): the median of the "
+        f"per-round ratios of {args.repeats} interleaved rounds, fwd+bwd with its 95% bootstrap interval (how far "
+        'this machine\'s noise lets the ratio be read); times in ms are medians. "bw": bytes the compiled kernel must move / its time, as a fraction of the bandwidth '
         "`torch.add` reaches on the same shape and dtype (the forward activation kernel computes the "
         "codes only; the op adds the stock activation). The norms are affine-free except in the rows with a "
         "frozen affine (weight and bias needing no gradient, as under LoRA): there the low-memory norm writes "
