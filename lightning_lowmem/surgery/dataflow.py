@@ -32,7 +32,7 @@ from lightning_lowmem.nn.linear import linear_arguments
 from lightning_lowmem.nn.norm import whole_rows
 from lightning_lowmem.nn.peft import is_lora_layer, lora_dropouts
 from lightning_lowmem.surgery.deferred import CallArgs
-from lightning_lowmem.surgery.detect import no_weight_repacking
+from lightning_lowmem.surgery.detect import probe_mode
 
 _METADATA = {
     "size", "dim", "numel", "stride", "is_contiguous", "element_size", "nelement", "is_floating_point",
@@ -182,20 +182,16 @@ def _as_is(t: torch.Tensor) -> torch.Tensor:
 
 @contextmanager
 def isolated(model: nn.Module, train: bool) -> Iterator[None]:
-    """Run a throwaway forward: same mode requested, RNG and buffers restored afterwards, and what it
+    """Run a throwaway forward (:func:`~.detect.probe_mode`): RNG and buffers restored afterwards, and what it
     saves for backward hidden from any saved-tensor hooks around it (a SavedTensorMeter measuring the
-    training step that triggered the surgery); quantized weights are left as they are
-    (:func:`~.detect.no_weight_repacking`)."""
-    was_training = model.training
+    training step that triggered the surgery)."""
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
     devices = sorted({b.device.index for b in model.parameters() if b.device.type == "cuda"})
-    with torch.random.fork_rng(devices=devices), no_weight_repacking(model):
-        model.train(train)
+    with torch.random.fork_rng(devices=devices), probe_mode(model, train):
         try:
-            with torch.set_grad_enabled(train), torch.autograd.graph.saved_tensors_hooks(_as_is, _as_is):
+            with torch.autograd.graph.saved_tensors_hooks(_as_is, _as_is):
                 yield
         finally:
-            model.train(was_training)
             with torch.no_grad():
                 for name, b in model.named_buffers():
                     if name in buffers:

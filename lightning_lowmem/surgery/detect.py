@@ -146,20 +146,11 @@ def fused_gated_mlp(stock: nn.Module, layout: GatedLayout) -> GatedMLPBase:
     # a quantized projection (bitsandbytes) stores integers: probe in a floating dtype it computes in
     dtype = next((p.dtype for p in first.parameters() if p.is_floating_point()), torch.get_default_dtype())
     x = torch.randn(2, 3, first.in_features, dtype=dtype, device=parameter.device)
-    flags = [(m, m.training) for m in stock.modules()]
     try:
-        stock.eval()
-        with (
-            torch.no_grad(),
-            torch.autocast(x.device.type, enabled=False),
-            no_weight_repacking(stock),
-        ):  # what it computes, not in which precision
+        with probe_mode(stock, train=False), torch.autocast(x.device.type, enabled=False):  # not in which precision
             same = torch.allclose(new(x), stock(x), rtol=1e-4, atol=1e-5)
     except Exception as err:  # noqa: BLE001 - any failure means: not the stock layout's computation
         raise NotConvertible(f"probe call failed ({type(err).__name__})") from None
-    finally:
-        for m, training in flags:
-            m.training = training
     if not same:
         raise NotConvertible("computes something else than act(gate) * up followed by the down projection")
     return new
@@ -211,18 +202,24 @@ def is_frozen_4bit_linear(module: nn.Module) -> bool:
 
 
 @contextmanager
-def no_weight_repacking(model: nn.Module) -> Iterator[None]:
-    """For a probe forward in eval mode without grad: bitsandbytes' ``Linear4bit`` (0.50 here) on a CPU with
-    AVX512-BF16 repacks its weight in place for an inference kernel on such a call; it fails when the output size
-    is no multiple of 32, and training then runs through a kernel without autograd (LoRA gradients off by
-    several percent). Switched off here, so that a probe leaves the model as it was."""
-    layers = [m for m in model.modules() if getattr(m, "support_avx512bf16_for_cpu", False)]
-    for layer in layers:
+def probe_mode(model: nn.Module, train: bool) -> Iterator[None]:
+    """The settings of a throwaway forward: every submodule in the mode asked for (each one's own flag back
+    afterwards), grad only in training, and quantized weights left as they are: bitsandbytes' ``Linear4bit``
+    (0.50 here) on a CPU with AVX512-BF16 repacks its weight in place for an inference kernel on an eval forward
+    without grad; it fails when the output size is no multiple of 32, and training then runs through a kernel
+    without autograd (LoRA gradients off by several percent). Switched off here."""
+    flags = [(m, m.training) for m in model.modules()]
+    repacking = [m for m in model.modules() if getattr(m, "support_avx512bf16_for_cpu", False)]
+    for layer in repacking:
         layer.support_avx512bf16_for_cpu = False
+    model.train(train)
     try:
-        yield
+        with torch.set_grad_enabled(train):
+            yield
     finally:
-        for layer in layers:
+        for m, training in flags:
+            m.training = training
+        for layer in repacking:
             layer.support_avx512bf16_for_cpu = True
 
 
