@@ -4,20 +4,24 @@ from __future__ import annotations
 
 import copy
 
+import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.data import DataLoader
 
 from benchmarks import qlora
 from benchmarks.qlora import ALL_LINEARS, bf16, held_bytes
+from lightning_lowmem.lightning import LowMemBP
 from lightning_lowmem.memory import SavedTensorMeter
 from lightning_lowmem.nn import GatedMLP, MemorySharingNorm
-from lightning_lowmem.surgery import apply_lowmem
+from lightning_lowmem.surgery import apply_lowmem, plan
 
 bnb = pytest.importorskip("bitsandbytes", minversion="0.46", reason="QLoRA on CPU needs bitsandbytes >= 0.46")
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
+_convert_weight_packed_for_cpu = bnb.functional._convert_weight_packed_for_cpu  # the repack bitsandbytes does
 
 LAYERS, HIDDEN, INTERMEDIATE, RANK = 2, 64, 128, 8
 PREFIX = "base_model.model.model."
@@ -51,6 +55,25 @@ def logits(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
     return F.cosine_similarity(a.flatten().double(), b.flatten().double(), dim=0).item()
+
+
+def lora_grads(model: nn.Module, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The LoRA gradients of one training step under bf16 autocast (its loss finite)."""
+    model.train()
+    model.zero_grad(set_to_none=True)
+    with bf16():
+        loss = model(x, labels=x).loss
+    loss.backward()
+    assert torch.isfinite(loss)
+    return {n: p.grad.clone() for n, p in model.named_parameters() if "lora_" in n}
+
+
+def linears_4bit(model: nn.Module) -> list[nn.Module]:
+    return [layer for layer in model.modules() if isinstance(layer, bnb.nn.Linear4bit)]
+
+
+def repacked(layer: nn.Module) -> bool:
+    return getattr(layer.weight.quant_state, "packing_format_for_cpu", False)
 
 
 def test_qlora_nf4_converts_norms_fuses_mlps_and_saves_a_quarter_less(tmp_path):
@@ -101,19 +124,92 @@ def test_frozen_4bit_layers_without_lora_are_consumers(tmp_path):
 
 def test_probes_leave_4bit_weights_as_they_are(tmp_path):
     """On a CPU with AVX512-BF16, bitsandbytes repacks a Linear4bit's weight in place on an eval forward without
-    grad (asserting that its output size is a multiple of 32, none is here): forced on, the surgery's probe
-    forwards must not trigger it."""
+    grad (asserting that its output size is a multiple of 32, none is here): forced on, the probe forwards of a
+    dry run (``plan``, which leaves the model as it was) must not trigger it."""
     stock = qlora.qlora_llama(tmp_path, 48, 80, heads=4, layers=1, rank=RANK)
-    layers = lambda m: [layer for layer in m.modules() if isinstance(layer, bnb.nn.Linear4bit)]
-    for layer in layers(stock):
+    for layer in linears_4bit(stock):
         layer.support_avx512bf16_for_cpu = True
-    model, report = converted(stock, tokens())
+    weights = [layer.weight.clone() for layer in linears_4bit(stock)]
+    with bf16():
+        report = plan(stock, tokens())
     assert set(norm_status(report).values()) == {"converted"}
-    assert isinstance(model.get_submodule(PREFIX + "layers.0.mlp"), GatedMLP)
-    for ours, theirs in zip(layers(model), layers(stock), strict=True):
-        assert ours.support_avx512bf16_for_cpu
-        assert not getattr(ours.weight.quant_state, "packing_format_for_cpu", False)
-        assert torch.equal(ours.weight, theirs.weight)
+    assert [e.status for e in report.entries if e.kind == "gated MLP"] == ["converted"]
+    for layer, weight in zip(linears_4bit(stock), weights, strict=True):
+        assert layer.support_avx512bf16_for_cpu
+        assert not repacked(layer)
+        assert torch.equal(layer.weight, weight)
+
+
+def test_training_after_an_eval_forward_keeps_gradients_through_4bit_layers(tmp_path):
+    """After that repack (on an eval forward without grad: Lightning's sanity check, a validation epoch) the layer
+    computes through a kernel without autograd, and the layers before it get no gradient through it. Forced on
+    (as on such a CPU), the surgery switches it off for good: the LoRA gradients after an eval forward are those
+    before it."""
+    stock, x = qlora_llama(tmp_path), tokens()
+    for layer in linears_4bit(stock):
+        layer.support_avx512bf16_for_cpu = True
+    model, report = converted(stock, x)
+    assert not any(layer.support_avx512bf16_for_cpu for layer in linears_4bit(model))
+    assert f"CPU repacking switched off on {7 * LAYERS} 4-bit layers" in report.summary()
+    before = lora_grads(model, x)
+    logits(model, x)  # eval, no grad: a validation step
+    assert not any(repacked(layer) for layer in linears_4bit(model))
+    after = lora_grads(model, x)
+    for name, grad in before.items():
+        torch.testing.assert_close(after[name], grad, msg=name)
+
+
+def test_weights_repacked_before_the_surgery_are_unpacked(tmp_path):
+    """A model that already ran an eval forward holds repacked weights: the surgery unpacks them (as bitsandbytes
+    does before saving one), and they dequantize as before, but for block scales the repack rounded to bf16."""
+    stock, x = qlora_llama(tmp_path), tokens()
+    layer = linears_4bit(stock)[0]
+    original = bnb.functional.dequantize_4bit(layer.weight.data, layer.weight.quant_state)
+    layer.weight.data, layer.weight.quant_state = _convert_weight_packed_for_cpu(
+        layer.weight.data, layer.weight.quant_state
+    )
+    model, report = converted(stock, x)
+    assert not any(repacked(layer) for layer in linears_4bit(model))
+    assert "1 4-bit weights repacked by an earlier eval forward unpacked" in report.summary()
+    ours = linears_4bit(model)[0]
+    restored = bnb.functional.dequantize_4bit(ours.weight.data, ours.weight.quant_state)
+    torch.testing.assert_close(restored, original, rtol=2**-8, atol=0)
+
+
+class QLoRAModule(pl.LightningModule):
+    """A QLoRA LLaMA without ``example_input_array``: LowMemBP converts it at the first training batch, after
+    Lightning's sanity check has run its validation forwards."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def training_step(self, batch, batch_idx):
+        return self.model(batch, labels=batch).loss
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self.training_step(batch, batch_idx))
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-3)
+
+
+def test_lightning_sanity_check_leaves_4bit_weights_trainable(tmp_path):
+    """The sanity check's eval forwards come before the conversion: the callback switches repacking off at setup."""
+    stock = qlora_llama(tmp_path)
+    for layer in linears_4bit(stock):
+        layer.support_avx512bf16_for_cpu = True
+    callback, data = LowMemBP(), DataLoader([tokens()[0] for _ in range(4)], batch_size=2)
+    trainer = pl.Trainer(
+        accelerator="cpu", max_steps=1, num_sanity_val_steps=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path, callbacks=[callback],
+    )  # fmt: skip
+    trainer.fit(QLoRAModule(stock), data, data)
+    assert not callback.report.pending
+    summary = callback.report.summary()
+    assert f"CPU repacking switched off on {7 * LAYERS} 4-bit layers" in summary
+    assert "unpacked" not in summary  # switched off before the sanity check: nothing was ever repacked
+    assert not any(layer.support_avx512bf16_for_cpu or repacked(layer) for layer in linears_4bit(stock))
 
 
 def test_qlora_trains(tmp_path):
@@ -122,17 +218,7 @@ def test_qlora_trains(tmp_path):
     stock, x = qlora_llama(tmp_path), tokens()
     model = converted(stock, x)[0]
     quantized = model.get_submodule(PREFIX + "layers.0.mlp.up_proj.base_layer").weight.clone()
-
-    def lora_grads(m: nn.Module) -> dict[str, torch.Tensor]:
-        m.train()
-        m.zero_grad(set_to_none=True)
-        with bf16():
-            loss = m(x, labels=x).loss
-        loss.backward()
-        assert torch.isfinite(loss)
-        return {n: p.grad.clone() for n, p in m.named_parameters() if "lora_" in n}
-
-    ours, reference = lora_grads(model), lora_grads(stock)
+    ours, reference = lora_grads(model, x), lora_grads(stock, x)
     assert ours.keys() == reference.keys() and len(ours) == 2 * 7 * LAYERS
     for name, grad in ours.items():
         assert grad.abs().sum() > 0, name

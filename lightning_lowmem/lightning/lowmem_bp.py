@@ -31,6 +31,7 @@ from typing_extensions import override
 
 from lightning_lowmem.lightning.precision import refuse_deepspeed
 from lightning_lowmem.surgery import LowMemReport, apply_lowmem
+from lightning_lowmem.surgery.apply import keep_4bit_layers_trainable
 from lightning_lowmem.surgery.dataflow import describe
 from lightning_lowmem.surgery.deferred import CallArgs, at_first_call
 from lightning_lowmem.surgery.plan import ExampleInputError
@@ -146,8 +147,8 @@ class LowMemBP(Callback):
                 "training batch); set example_input_array, or shard with FSDP2 (ModelParallelStrategy), where the "
                 "model is converted at the first training batch"
             )
-        if probe_later:
-            self.report = LowMemReport(pending=True)
+        if probe_later:  # the sanity check's eval forwards come first: keep them from repacking 4-bit weights
+            self.report = LowMemReport(pending=True, notes=keep_4bit_layers_trainable(pl_module))
         else:
             with trainer.precision_plugin.forward_context():
                 self.report = apply_lowmem(pl_module, example_input=example, **self.options)
@@ -167,6 +168,7 @@ class LowMemBP(Callback):
         if not trainer.strategy.reduce_boolean_decision(decision == trainer.strategy.broadcast(decision), all=True):
             raise RuntimeError("LowMemBP: the ranks converted the model differently; stopping every rank")
         if self.report.pending:
+            report.notes[:0] = self.report.notes
             self.report = report
             self._print_once()
         else:  # converted at setup on example_input_array: this run only fitted the budget

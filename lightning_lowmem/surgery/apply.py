@@ -32,6 +32,7 @@ from lightning_lowmem.surgery.budget import fit_budget
 from lightning_lowmem.surgery.convert import Surgery, check_same, eval_outputs, measure_saved, output_tolerance
 from lightning_lowmem.surgery.dataflow import describe, tensors_in, with_batch_size
 from lightning_lowmem.surgery.deferred import CallArgs, at_first_call
+from lightning_lowmem.surgery.detect import is_frozen_4bit_linear, repacking_4bit_layers, unpack_4bit_weight
 from lightning_lowmem.surgery.plan import ExampleInputError, Options, make_plan, nominate, trace_norms
 from lightning_lowmem.surgery.report import LowMemReport
 
@@ -110,7 +111,7 @@ def apply_lowmem(
         model, activation=activation, norm=norm, linear=linear, gated=gated, include=include, exclude=exclude,
         bits=bits, budget_mib=budget_mib, checkpoint=checkpoint,
     )  # fmt: skip
-    report = LowMemReport()
+    report = LowMemReport(notes=keep_4bit_layers_trainable(model))
     if example_input is None and options.needs_input:
         report.pending = True
 
@@ -202,3 +203,23 @@ def convert(
         surgery.rollback()
         raise
     return surgery
+
+
+def keep_4bit_layers_trainable(model: nn.Module) -> list[str]:
+    """Switch off bitsandbytes' CPU repacking of 4-bit weights for good, at once (a deferred conversion waits for
+    the first training forward, Lightning's sanity check comes before it): after an eval forward the model would
+    train without gradients through those layers (:func:`.detect.repacking_4bit_layers`). Unpacks any weight
+    an earlier eval forward repacked. Returns what it did, for the report."""
+    repacking = repacking_4bit_layers(model)
+    for layer in repacking:
+        layer.support_avx512bf16_for_cpu = False
+    unpacked = sum(unpack_4bit_weight(layer) for layer in model.modules() if is_frozen_4bit_linear(layer))
+    notes = []
+    if repacking:
+        notes.append(
+            f"bitsandbytes' CPU repacking switched off on {len(repacking)} 4-bit layers (after an eval forward "
+            "they would train without input gradients)"
+        )
+    if unpacked:
+        notes.append(f"{unpacked} 4-bit weights repacked by an earlier eval forward unpacked (block scales stay bf16)")
+    return notes

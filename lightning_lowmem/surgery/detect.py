@@ -201,15 +201,34 @@ def is_frozen_4bit_linear(module: nn.Module) -> bool:
     return bnb is not None and isinstance(module, bnb.nn.Linear4bit)
 
 
+def repacking_4bit_layers(model: nn.Module) -> list[nn.Module]:
+    """The layers that repack their quantized weight in place on an eval forward without grad: bitsandbytes'
+    ``Linear4bit`` (0.50 here) on a CPU with AVX512-BF16, for an inference kernel. The repack fails when the
+    output size is no multiple of 32, rounds the block scales to bfloat16, and leaves the layer computing through
+    a kernel without autograd: a training forward after it (after Lightning's sanity check or a validation epoch)
+    gives the layers before it no gradient through it."""
+    return [m for m in model.modules() if getattr(m, "support_avx512bf16_for_cpu", False)]
+
+
+def unpack_4bit_weight(layer: nn.Module) -> bool:
+    """Undo an earlier repack of ``layer``'s weight (as bitsandbytes does before saving it); whether there was one.
+    Its block scales stay rounded to bfloat16: the repack lost those bits."""
+    state = getattr(layer.weight, "quant_state", None)
+    if not getattr(state, "packing_format_for_cpu", False):
+        return False
+    from bitsandbytes.functional import _convert_weight_packed_for_cpu_inverse
+
+    layer.weight.data, layer.weight.quant_state = _convert_weight_packed_for_cpu_inverse(layer.weight.data, state)
+    return True
+
+
 @contextmanager
 def probe_mode(model: nn.Module, train: bool) -> Iterator[None]:
     """The settings of a throwaway forward: every submodule in the mode asked for (each one's own flag back
-    afterwards), grad only in training, and quantized weights left as they are: bitsandbytes' ``Linear4bit``
-    (0.50 here) on a CPU with AVX512-BF16 repacks its weight in place for an inference kernel on an eval forward
-    without grad; it fails when the output size is no multiple of 32, and training then runs through a kernel
-    without autograd (LoRA gradients off by several percent). Switched off here."""
+    afterwards), grad only in training, and quantized weights left as they are (no repacking, see
+    :func:`repacking_4bit_layers`)."""
     flags = [(m, m.training) for m in model.modules()]
-    repacking = [m for m in model.modules() if getattr(m, "support_avx512bf16_for_cpu", False)]
+    repacking = repacking_4bit_layers(model)
     for layer in repacking:
         layer.support_avx512bf16_for_cpu = False
     model.train(train)

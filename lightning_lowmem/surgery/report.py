@@ -45,6 +45,7 @@ class LowMemReport:
     probe: str | None = None
     pending: bool = False
     budget: BudgetPlan | None = None
+    notes: list[str] = field(default_factory=list)  # other changes to the model, one line each
 
     def record(self, meter: SavedTensorMeter, converted: bool) -> None:
         """Keep what ``meter`` measured on the stock (``converted=False``) or the converted model."""
@@ -114,6 +115,7 @@ class LowMemReport:
                 f"{self.weight_copy_bytes_after / MIB:.2f} MiB"
             )
         line += f"; probed on {self.probe}" if self.probe else ""
+        line += "".join(f"\n{note}" for note in self.notes)
         return line + (f"\n{self.budget.summary()}" if self.budget is not None else "")
 
     def table(self) -> str:
