@@ -112,11 +112,22 @@ def busy_reason(spread: float) -> str | None:
     return None
 
 
+def cpu_model() -> str:
+    """The CPU's model name (machines of one kind differ in CPU, and ratios with it), else the architecture."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def machine(spread: float | None = None) -> str:
     """One line naming the machine, the versions the numbers were taken with and, for timings, how quiet it was."""
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({os.cpu_count()} cores)"
     line = (
-        f"{device}, {platform.processor() or platform.machine()}, ATen CPU capability "
+        f"{device}, {cpu_model()}, ATen CPU capability "
         f"{torch.backends.cpu.get_cpu_capability()}, Python {sys.version.split()[0]}, "
         f"torch {torch.__version__} ({torch.get_num_threads()} threads)"
     )

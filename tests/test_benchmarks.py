@@ -92,7 +92,18 @@ def test_quiet_timings_are_stamped_with_capability_and_load(tmp_path, monkeypatc
     assert common.write_section("kernels", "| table |", "python -m benchmarks.kernels", path)
     capability = common.torch.backends.cpu.get_cpu_capability()
     assert f"ATen CPU capability {capability}" in path.read_text()
+    assert f"CPU ({common.os.cpu_count()} cores), {common.cpu_model()}, " in path.read_text()
     assert "load 0.12 at start, reference spread 2.1%" in path.read_text()
+
+
+def test_cpu_model_names_the_cpu_not_the_architecture():
+    from benchmarks import common
+
+    cpuinfo = Path("/proc/cpuinfo")
+    names = [l.split(":", 1)[1].strip() for l in cpuinfo.read_text().splitlines() if l.startswith("model name")]
+    if not names:
+        pytest.skip("no model name in /proc/cpuinfo")
+    assert common.cpu_model() == names[0] != common.platform.machine()
 
 
 def test_memory_numbers_need_no_quiet_machine(tmp_path, monkeypatch):
