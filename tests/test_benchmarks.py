@@ -11,7 +11,7 @@ import pytest
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 SMOKE = {
     "saved_bytes.py": ["--smoke"],
-    "kernels.py": ["--quick", "--repeats", "1"],
+    "op_speed.py": ["--quick", "--repeats", "1"],
     "paper_tables.py": ["--smoke"],
     "parity.py": ["--smoke"],
     "gated_mlp.py": ["--smoke"],
@@ -52,12 +52,12 @@ def test_timings_taken_on_a_busy_machine_are_not_written(tmp_path, monkeypatch, 
     path = _results(tmp_path)
     monkeypatch.setattr(common, "_timed", True)
     monkeypatch.setattr(common, "LOAD_AT_START", 1.7)
-    assert not common.write_section("kernels", "| table |", "python -m benchmarks.kernels", path)
+    assert not common.write_section("kernels", "| table |", "python -m benchmarks.op_speed", path)
     assert path.read_text() == "# Benchmark results\n"
     assert "1-minute load average was 1.70" in capsys.readouterr().err
     monkeypatch.setattr(common, "LOAD_AT_START", 0.1)
     monkeypatch.setattr(common, "reference_spread", lambda: 1.2)  # another process came and went
-    assert not common.write_section("kernels", "| table |", "python -m benchmarks.kernels", path)
+    assert not common.write_section("kernels", "| table |", "python -m benchmarks.op_speed", path)
     assert "spread is 120%" in capsys.readouterr().err
 
 
@@ -89,7 +89,7 @@ def test_quiet_timings_are_stamped_with_capability_and_load(tmp_path, monkeypatc
     monkeypatch.setattr(common, "_timed", True)
     monkeypatch.setattr(common, "LOAD_AT_START", 0.12)
     monkeypatch.setattr(common, "reference_spread", lambda: 0.021)
-    assert common.write_section("kernels", "| table |", "python -m benchmarks.kernels", path)
+    assert common.write_section("kernels", "| table |", "python -m benchmarks.op_speed", path)
     capability = common.torch.backends.cpu.get_cpu_capability()
     assert f"ATen CPU capability {capability}" in path.read_text()
     assert f"CPU ({common.os.cpu_count()} cores), {common.cpu_model()}, " in path.read_text()

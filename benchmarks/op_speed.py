@@ -7,7 +7,7 @@ fused in the low-memory norm's kernel, stock LayerNorm applies it in its own. "b
 bandwidth a compiled kernel reaches (bytes it must read and write / its time) as a fraction of
 what ``torch.add`` reaches on tensors of the same shape and dtype. Writes the "kernels" section of ``benchmarks/RESULTS.md``.
 
-    python -m benchmarks.kernels [--repeats N] [--quick]
+    python -m benchmarks.op_speed [--repeats N] [--quick]
 """
 
 from __future__ import annotations
@@ -178,7 +178,7 @@ def main() -> None:
         "`z`, the tensor its consumer linears save, besides its output: one activation-sized write more "
         "than stock's forward.\n\n" + table
     )
-    write_section("kernels", body, f"python -m benchmarks.kernels --repeats {args.repeats}")
+    write_section("kernels", body, f"python -m benchmarks.op_speed --repeats {args.repeats}")
 
 
 if __name__ == "__main__":
