@@ -112,10 +112,10 @@ def busy_reason(spread: float) -> str | None:
     return None
 
 
-def cpu_model() -> str:
+def cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
     """The CPU's model name (machines of one kind differ in CPU, and ratios with it), else the architecture."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
+        for line in cpuinfo.read_text().splitlines():
             if line.startswith("model name"):
                 return line.split(":", 1)[1].strip()
     except OSError:
