@@ -61,6 +61,40 @@ std::tuple<at::Tensor, at::Tensor> norm_backward(const at::Tensor& grad, const a
   return op.call(grad, z, rstd, scale, dim, center, dtype, column_sums);
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_output_forward(const at::Tensor& x, int64_t dim, double eps,
+                                                                   bool center, at::ScalarType out_dtype,
+                                                                   const OptionalTensor& scale,
+                                                                   const OptionalTensor& shift,
+                                                                   const at::Tensor& columns) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("lowmem::norm_output_forward", "")
+                       .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+                           const at::Tensor&, int64_t, double, bool, at::ScalarType, const OptionalTensor&,
+                           const OptionalTensor&, const at::Tensor&)>();
+  return op.call(x, dim, eps, center, out_dtype, scale, shift, columns);
+}
+
+at::Tensor norm_output_backward(const at::Tensor& grad, const at::Tensor& y, const at::Tensor& rstd,
+                                const OptionalTensor& scale, const OptionalTensor& shift, const at::Tensor& columns,
+                                const at::Tensor& exact, int64_t dim, bool center, at::ScalarType dtype) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("lowmem::norm_output_backward", "")
+                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptionalTensor&,
+                                         const OptionalTensor&, const at::Tensor&, const at::Tensor&, int64_t, bool,
+                                         at::ScalarType)>();
+  return op.call(grad, y, rstd, scale, shift, columns, exact, dim, center, dtype);
+}
+
+// ops.norm.affine_values: gamma + offset and beta in the input's accumulate type.
+std::tuple<OptionalTensor, OptionalTensor> affine_values(at::ScalarType in_dtype, const at::Tensor& gamma,
+                                                         const at::Tensor& beta, double offset) {
+  const at::ScalarType acc = at::toOpMathType(in_dtype);
+  OptionalTensor scale, shift;
+  if (gamma.defined()) scale = affine_scale(gamma, offset).to(acc).contiguous();
+  if (beta.defined()) shift = beta.to(acc).contiguous();
+  return {scale, shift};
+}
+
 std::tuple<at::Tensor, at::Tensor> act_forward(const at::Tensor& x, c10::string_view kind,
                                                at::ArrayRef<double> thresholds) {
   static auto op = c10::Dispatcher::singleton()
@@ -77,37 +111,48 @@ at::Tensor act_backward(const at::Tensor& grad, const at::Tensor& packed, at::Ar
   return op.call(grad, packed, levels);
 }
 
-// lightning_lowmem.ops.norm.MemorySharingNorm with an affine: returns (y, z), z without a gradient.
+// lightning_lowmem.ops.norm.MemorySharingNorm with an affine: returns (y, z), z without a gradient, or (y) where
+// it saves y and z at the exact `columns` instead.
 struct MemorySharingNorm : public torch::autograd::Function<MemorySharingNorm> {
   static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const OptionalTensor& gamma,
-                               const OptionalTensor& beta, int64_t dim, double eps, bool center,
-                               at::ScalarType out_dtype, double offset, c10::string_view name) {
-    // ops.norm.affine_values: gamma + offset and beta in the input's accumulate type
-    const at::ScalarType acc = at::toOpMathType(x.scalar_type());
-    OptionalTensor scale, shift;
-    if (gamma.has_value()) scale = affine_scale(*gamma, offset).to(acc);
-    if (beta.has_value()) shift = beta->to(acc);
-    auto [y, z, rstd] = norm_affine_forward(x, dim, eps, center, out_dtype, scale, shift);
-    // an input that needs no gradient (the first norm on frozen embeddings) keeps no rstd
-    ctx->save_for_backward({z, x.requires_grad() ? rstd : at::Tensor(), value_or_undefined(gamma),
-                            value_or_undefined(beta)});
+                               const OptionalTensor& beta, const OptionalTensor& columns, int64_t dim, double eps,
+                               bool center, at::ScalarType out_dtype, double offset, c10::string_view name) {
+    auto [scale, shift] = affine_values(x.scalar_type(), value_or_undefined(gamma), value_or_undefined(beta), offset);
     ctx->saved_data["dim"] = dim;
     ctx->saved_data["center"] = center;
     ctx->saved_data["in_dtype"] = x.scalar_type();
     ctx->saved_data["offset"] = offset;
     ctx->saved_data["name"] = std::string(name);
     ctx->saved_data["needs"] = std::vector<bool>{x.requires_grad(), requires_grad(gamma), requires_grad(beta)};
+    ctx->saved_data["saves_output"] = columns.has_value();
+    if (columns.has_value()) {
+      auto [y, rstd, exact] = norm_output_forward(x, dim, eps, center, out_dtype, scale, shift, *columns);
+      ctx->save_for_backward({y, rstd, value_or_undefined(gamma), value_or_undefined(beta), *columns, exact});
+      return {y};
+    }
+    auto [y, z, rstd] = norm_affine_forward(x, dim, eps, center, out_dtype, scale, shift);
+    // an input that needs no gradient (the first norm on frozen embeddings) keeps no rstd
+    ctx->save_for_backward({z, x.requires_grad() ? rstd : at::Tensor(), value_or_undefined(gamma),
+                            value_or_undefined(beta)});
     ctx->mark_non_differentiable({z});
     ctx->set_materialize_grads(false);  // z never gets a gradient: no zeros to make for it
     return {y, z};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    variable_list out(9);
+    variable_list out(10);
     const at::Tensor& grad = grads[0];
     if (!grad.defined()) return out;  // nothing read y
     refuse_double_backward(ctx->saved_data["name"].toStringRef());
     const variable_list saved = ctx->get_saved_variables();
+    if (ctx->saved_data["saves_output"].toBool()) {
+      const at::Tensor &y = saved[0], &rstd = saved[1], &columns = saved[4], &exact = saved[5];
+      const at::ScalarType in_dtype = ctx->saved_data["in_dtype"].toScalarType();
+      auto [scale, shift] = affine_values(in_dtype, saved[2], saved[3], ctx->saved_data["offset"].toDouble());
+      out[0] = norm_output_backward(grad, y, rstd, scale, shift, columns, exact, ctx->saved_data["dim"].toInt(),
+                                    ctx->saved_data["center"].toBool(), in_dtype);
+      return out;
+    }
     const at::Tensor &z = saved[0], &rstd = saved[1], &gamma = saved[2], &beta = saved[3];
     const auto needs = ctx->saved_data["needs"].toBoolList();
     const bool needs_input = needs.get(0), needs_gamma = needs.get(1), needs_beta = needs.get(2);
@@ -131,11 +176,12 @@ struct MemorySharingNorm : public torch::autograd::Function<MemorySharingNorm> {
 };
 
 std::tuple<at::Tensor, at::Tensor> ms_norm(const at::Tensor& x, const OptionalTensor& gamma,
-                                           const OptionalTensor& beta, int64_t dim, double eps, bool center,
-                                           at::ScalarType out_dtype, double offset, c10::string_view name) {
+                                           const OptionalTensor& beta, const OptionalTensor& columns, int64_t dim,
+                                           double eps, bool center, at::ScalarType out_dtype, double offset,
+                                           c10::string_view name) {
   TORCH_CHECK_VALUE(gamma.has_value() || beta.has_value(), name, ": lowmem::ms_norm needs a weight or a bias");
-  variable_list out = MemorySharingNorm::apply(x, gamma, beta, dim, eps, center, out_dtype, offset, name);
-  return {out[0], out[1]};
+  variable_list out = MemorySharingNorm::apply(x, gamma, beta, columns, dim, eps, center, out_dtype, offset, name);
+  return {out[0], out.size() > 1 ? out[1] : at::Tensor()};  // no z (None) where the norm saved y
 }
 
 // lightning_lowmem.ops.affine.AffineLinearFunction.

@@ -6,7 +6,9 @@
 #include <c10/util/string_view.h>
 #include <torch/library.h>
 
+#include <cmath>
 #include <optional>
+#include <vector>
 
 #include "lowmem_kernels.h"
 #include "lowmem_math.h"
@@ -117,10 +119,11 @@ std::tuple<at::Tensor, at::Tensor> norm_forward_op(const at::Tensor& x, int64_t 
 }
 
 // `dim` values of the accumulate type, contiguous; undefined when not given.
-at::Tensor affine_values(const char* name, const std::optional<at::Tensor>& t, int64_t dim, at::ScalarType acc) {
+at::Tensor affine_values(const char* op, const char* name, const std::optional<at::Tensor>& t, int64_t dim,
+                         at::ScalarType acc) {
   if (!t.has_value()) return at::Tensor();
-  check_tensor("norm_affine_forward", name, *t);
-  TORCH_CHECK_VALUE(t->numel() == dim && t->scalar_type() == acc, "norm_affine_forward: expected ", dim, " ", name,
+  check_tensor(op, name, *t);
+  TORCH_CHECK_VALUE(t->numel() == dim && t->scalar_type() == acc, op, ": expected ", dim, " ", name,
                     " values of dtype ", acc, ", got ", t->numel(), " of ", t->scalar_type());
   return t->contiguous();
 }
@@ -133,8 +136,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_affine_forward_op(const at::
   TORCH_CHECK_VALUE(scale.has_value() || shift.has_value(), "norm_affine_forward: needs a scale or a shift");
   const int64_t rows = rows_of("norm_affine_forward", x, dim);
   const at::ScalarType acc = accumulate_type(x.scalar_type());
-  const at::Tensor scale_values = affine_values("scale", scale, dim, acc);
-  const at::Tensor shift_values = affine_values("shift", shift, dim, acc);
+  const at::Tensor scale_values = affine_values("norm_affine_forward", "scale", scale, dim, acc);
+  const at::Tensor shift_values = affine_values("norm_affine_forward", "shift", shift, dim, acc);
   at::Tensor z = at::empty(x.sizes(), x.options().dtype(out_dtype));
   at::Tensor y = at::empty_like(z);
   at::Tensor rstd = at::empty({rows}, x.options().dtype(acc));
@@ -169,6 +172,107 @@ std::tuple<at::Tensor, at::Tensor> norm_backward_op(const at::Tensor& grad, cons
   if (rows > 0) norm_backward(g, z.contiguous(), rstd.contiguous(), scale_values, dim, center, grad_input, sums_out);
   return {grad_input, sums};
 }
+
+#if !defined(LOWMEM_CUDA)
+// affine_values, or `fill` (the identity affine's) when not given.
+at::Tensor affine_or(const char* op, const char* name, const std::optional<at::Tensor>& t, int64_t dim,
+                     const at::Tensor& rstd, double fill) {
+  return t.has_value() ? affine_values(op, name, t, dim, rstd.scalar_type()) : at::full({dim}, fill, rstd.options());
+}
+
+// `columns`: ascending int64 indices below dim, each once (a loop: this runs on every call, on CPU).
+at::Tensor checked_columns(const char* op, const at::Tensor& columns, int64_t dim) {
+  check_tensor(op, "columns", columns);
+  TORCH_CHECK_TYPE(columns.scalar_type() == at::kLong && columns.dim() == 1, op,
+                   ": columns must be a 1-d int64 tensor, got ", columns.dim(), "-d ", columns.scalar_type());
+  at::Tensor c = columns.contiguous();
+  const int64_t* index = c.const_data_ptr<int64_t>();
+  for (int64_t k = 0; k < c.numel(); ++k) {
+    TORCH_CHECK_VALUE(index[k] >= (k > 0 ? index[k - 1] + 1 : 0) && index[k] < dim, op,
+                      ": columns must be ascending indices in [0, ", dim, "), each once, got ", c);
+  }
+  return c;
+}
+
+// torch_ops.norm_exact_columns, as a loop over the values: scale 0 or |shift| > |scale|.
+template <typename acc_t>
+at::Tensor exact_columns(const at::Tensor& scale, const at::Tensor& shift, int64_t dim) {
+  const acc_t* s = scale.defined() ? scale.const_data_ptr<acc_t>() : nullptr;
+  const acc_t* b = shift.defined() ? shift.const_data_ptr<acc_t>() : nullptr;
+  std::vector<int64_t> columns;
+  for (int64_t k = 0; k < dim; ++k) {
+    const acc_t size = s != nullptr ? std::abs(s[k]) : acc_t(1);
+    if (size == acc_t(0) || (b != nullptr && std::abs(b[k]) > size)) columns.push_back(k);
+  }
+  return at::tensor(columns, at::kLong);
+}
+
+at::Tensor norm_exact_columns_op(const std::optional<at::Tensor>& scale, const std::optional<at::Tensor>& shift) {
+  const char* op = "norm_exact_columns";
+  TORCH_CHECK_VALUE(scale.has_value() || shift.has_value(), op, ": needs a scale or a shift");
+  const at::Tensor& any = scale.has_value() ? *scale : *shift;
+  TORCH_CHECK_TYPE(any.scalar_type() == at::kFloat || any.scalar_type() == at::kDouble, op,
+                   ": expected float32 or float64 values, got ", any.scalar_type());
+  const at::Tensor scale_values = affine_values(op, "scale", scale, any.numel(), any.scalar_type());
+  const at::Tensor shift_values = affine_values(op, "shift", shift, any.numel(), any.scalar_type());
+  at::Tensor columns;
+  AT_DISPATCH_FLOATING_TYPES(any.scalar_type(), "norm_exact_columns",
+                             [&] { columns = exact_columns<scalar_t>(scale_values, shift_values, any.numel()); });
+  return columns;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_output_forward_op(const at::Tensor& x, int64_t dim, double eps,
+                                                                      bool center, at::ScalarType out_dtype,
+                                                                      const std::optional<at::Tensor>& scale,
+                                                                      const std::optional<at::Tensor>& shift,
+                                                                      const at::Tensor& columns) {
+  const char* op = "norm_output_forward";
+  check_norm_forward(op, x, eps, out_dtype);
+  TORCH_CHECK_VALUE(scale.has_value() || shift.has_value(), op, ": needs a scale or a shift");
+  const int64_t rows = rows_of(op, x, dim);
+  const at::ScalarType acc = accumulate_type(x.scalar_type());
+  const at::Tensor scale_values = affine_values(op, "scale", scale, dim, acc);
+  const at::Tensor shift_values = affine_values(op, "shift", shift, dim, acc);
+  const at::Tensor c = checked_columns(op, columns, dim);
+  at::Tensor y = at::empty(x.sizes(), x.options().dtype(out_dtype));
+  at::Tensor rstd = at::empty({rows}, x.options().dtype(acc));
+  at::Tensor exact = at::empty({rows, c.numel()}, y.options());
+  if (rows > 0) norm_output_forward(x.contiguous(), dim, eps, center, rstd, scale_values, shift_values, y, c, exact);
+  return {y, rstd, exact};
+}
+
+at::Tensor norm_output_backward_op(const at::Tensor& grad, const at::Tensor& y, const at::Tensor& rstd,
+                                   const std::optional<at::Tensor>& scale, const std::optional<at::Tensor>& shift,
+                                   const at::Tensor& columns, const at::Tensor& exact, int64_t dim, bool center,
+                                   at::ScalarType dtype) {
+  const char* op = "norm_output_backward";
+  check_float(op, "grad", grad);
+  check_float(op, "y", y);
+  check_tensor(op, "rstd", rstd);
+  TORCH_CHECK_TYPE(is_float_type(dtype), op, ": unsupported output dtype ", dtype);
+  TORCH_CHECK_VALUE(grad.sizes() == y.sizes(), op, ": grad shape ", grad.sizes(), " differs from output shape ",
+                    y.sizes());
+  const int64_t rows = rows_of(op, y, dim);
+  const at::ScalarType acc = accumulate_type(y.scalar_type());
+  TORCH_CHECK_VALUE(rstd.numel() == rows && rstd.scalar_type() == acc, op, ": expected ", rows,
+                    " rstd values of dtype ", acc, ", got ", rstd.numel(), " of ", rstd.scalar_type());
+  const at::Tensor c = checked_columns(op, columns, dim);
+  TORCH_CHECK_VALUE(exact.dim() == 2 && exact.size(0) == rows && exact.size(1) == c.numel() &&
+                        exact.scalar_type() == y.scalar_type(),
+                    op, ": expected exact of shape [", rows, ", ", c.numel(), "] and dtype ", y.scalar_type(),
+                    ", got ", exact.sizes(), " ", exact.scalar_type());
+  const at::Tensor scale_values = affine_or(op, "scale", scale, dim, rstd, 1.0);
+  const at::Tensor shift_values = affine_or(op, "shift", shift, dim, rstd, 0.0);
+  at::Tensor inverse_scale = scale_values.reciprocal().index_fill_(0, c, 0.0);
+  at::Tensor shifted = shift_values * inverse_scale;
+  at::Tensor grad_input = at::empty(y.sizes(), y.options().dtype(dtype));
+  if (rows > 0) {
+    norm_output_backward(grad.to(y.scalar_type()).contiguous(), y.contiguous(), rstd.contiguous(), scale_values,
+                         inverse_scale, shifted, c, exact.contiguous(), dim, center, grad_input);
+  }
+  return grad_input;
+}
+#endif
 
 void check_like(const char* name, const at::Tensor& t, const at::Tensor& grad) {
   check_float("gated_backward", name, t);
@@ -216,4 +320,9 @@ TORCH_LIBRARY_IMPL(lowmem, LOWMEM_DISPATCH_KEY, m) {
   m.impl("norm_affine_forward", &lowmem::norm_affine_forward_op);
   m.impl("norm_backward", &lowmem::norm_backward_op);
   m.impl("gated_backward", &lowmem::gated_backward_op);
+#if !defined(LOWMEM_CUDA)  // GPUs run the reference (the ops layer takes this path on CPU only)
+  m.impl("norm_exact_columns", &lowmem::norm_exact_columns_op);
+  m.impl("norm_output_forward", &lowmem::norm_output_forward_op);
+  m.impl("norm_output_backward", &lowmem::norm_output_backward_op);
+#endif
 }

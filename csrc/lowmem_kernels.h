@@ -59,6 +59,22 @@ inline void affine_out(const at::Tensor& z, const at::Tensor& scale, const at::T
 void norm_backward(const at::Tensor& grad, const at::Tensor& z, const at::Tensor& rstd, const at::Tensor& scale,
                    int64_t dim, bool center, at::Tensor& grad_input, at::Tensor& sums);
 
+#if !defined(LOWMEM_CUDA)
+// CPU only (a norm with a frozen affine, lightning_lowmem/ops/norm.py): norm_forward writing y, not z, with y
+// rounded once from the unrounded z (as stock), and z at the `columns` (int64) of each row into `exact`
+// (rows x columns, y's dtype): those y cannot give z back.
+void norm_output_forward(const at::Tensor& x, int64_t dim, double eps, bool center, at::Tensor& rstd,
+                         const at::Tensor& scale, const at::Tensor& shift, at::Tensor& y, const at::Tensor& columns,
+                         at::Tensor& exact);
+
+// norm_backward's input gradient from y and rstd: z = y * inverse_scale - shifted (shift * inverse_scale), except
+// at `columns`, whose z is `exact` (inverse_scale and shifted are 0 there). scale, inverse_scale and shifted:
+// `dim` values of rstd's dtype.
+void norm_output_backward(const at::Tensor& grad, const at::Tensor& y, const at::Tensor& rstd, const at::Tensor& scale,
+                          const at::Tensor& inverse_scale, const at::Tensor& shifted, const at::Tensor& columns,
+                          const at::Tensor& exact, int64_t dim, bool center, at::Tensor& grad_input);
+#endif
+
 // Gradients of h = act(gate) * up (kind: silu, gelu or gelu_tanh) from grad = dL/dh. An undefined `act`:
 // `second` is up and act is evaluated here; else `act` holds the forward's act(gate) and `second` is h,
 // from which up = h / act. All tensors one dtype.

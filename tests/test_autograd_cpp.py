@@ -58,8 +58,11 @@ def assert_same_runs(cpp, python) -> None:
     assert not any("lowmem::" in name for name in names_p), names_p
 
 
-def block(norm_cls: type, dim: int, weight_offset: float, bias: bool, frozen_linear: bool) -> nn.Module:
-    """A memory-sharing norm read by two linears (its z saved once for both), then an activation."""
+def block(
+    norm_cls: type, dim: int, weight_offset: float, bias: bool, frozen_linear: bool, frozen_norm: bool = False
+) -> nn.Module:
+    """A memory-sharing norm read by two linears (its z saved once for both; its output, with a frozen affine),
+    then an activation."""
     stock = nn.LayerNorm(dim) if norm_cls is MSLayerNorm else nn.RMSNorm(dim)
     norm = norm_cls.from_module(stock)
     norm.weight_offset = weight_offset
@@ -67,9 +70,14 @@ def block(norm_cls: type, dim: int, weight_offset: float, bias: bool, frozen_lin
         norm.weight.normal_()
         if norm.bias is not None:
             norm.bias.normal_()
+        if frozen_norm:  # as pretrained: |bias| < |weight| but for one column (weight 0): y and one z column saved
+            norm.weight.uniform_(1, 2)[0] = -weight_offset
+            if norm.bias is not None:
+                norm.bias.uniform_(-0.5, 0.5)
     first = LowMemLinear.from_linear(nn.Linear(dim, 2 * dim, bias=bias), norm=norm)
     second = LowMemLinear.from_linear(nn.Linear(dim, dim), norm=norm)
     first.weight.requires_grad_(not frozen_linear)
+    norm.requires_grad_(not frozen_norm)
     act = LowMemActivation("gelu")
 
     class Block(nn.Module):
@@ -89,11 +97,14 @@ def block(norm_cls: type, dim: int, weight_offset: float, bias: bool, frozen_lin
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("frozen_linear", [False, True])
 @pytest.mark.parametrize("frozen_input", [False, True])
+@pytest.mark.parametrize("frozen_norm", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, "autocast"])
 def test_norm_linears_and_activation_match(
-    norm_cls, weight_offset, bias, frozen_linear, frozen_input, dtype, monkeypatch, recorder
+    norm_cls, weight_offset, bias, frozen_linear, frozen_input, frozen_norm, dtype, monkeypatch, recorder
 ):
-    module = block(norm_cls, 32, weight_offset, bias, frozen_linear)
+    if frozen_input and frozen_norm:
+        pytest.skip("nothing before the linears needs a gradient: the norm saves nothing")
+    module = block(norm_cls, 32, weight_offset, bias, frozen_linear, frozen_norm)
     if dtype == torch.bfloat16:
         module = module.to(dtype)
     x = torch.randn(3, 7, 32, dtype=torch.bfloat16 if dtype == torch.bfloat16 else torch.float32)
@@ -113,6 +124,10 @@ def test_norm_linears_and_activation_match(
     # the norm's output is what both linears saved: one storage for the three
     saved_c = runs["cpp"][3].saved
     assert saved_c[0].shape == x.shape and sum(t.data_ptr() == saved_c[0].data_ptr() for t in saved_c) >= 2
+    if frozen_norm:  # the norm saved its output, and z at column 0
+        (columns,) = [t for t in saved_c if t.dtype == torch.long]
+        assert saved_c[0].grad_fn is not None and columns.tolist() == [0]
+        assert [t.shape for t in saved_c if t.shape == (21, 1)] == [(21, 1)]
 
 
 @pytest.mark.parametrize("activation", ["gelu", "gelu_tanh", "silu"])

@@ -35,6 +35,10 @@ def op_samples(dtype: torch.dtype) -> dict[str, list[tuple]]:
     four_bit = tuple(float(t) for t in torch.linspace(-3, 3, 15))
     gate, up = torch.randn_like(x), torch.randn_like(x)
     act = torch_ops.stock_activation(gate, "gelu")
+    scale, shift = torch.randn(40), torch.randn(40)
+    scale[3] = 0.0
+    columns = torch_ops.norm_exact_columns(scale, shift)
+    y, rstd_y, exact = torch_ops.norm_output_forward(x, 40, 1e-5, True, dtype, scale, shift, columns)
     return {
         "act_codes": [(x, GELU_2BIT.thresholds), (x, four_bit), (x[..., :7], (0.0,))],
         "act_forward": [(x, "silu", SILU_2BIT.thresholds), (x[..., :7], "gelu_tanh", (0.0,))],
@@ -49,6 +53,16 @@ def op_samples(dtype: torch.dtype) -> dict[str, list[tuple]]:
             (torch.randn_like(x), z, rstd, None, 40, True, dtype, False),
             (torch.randn_like(x), z, rstd, torch.randn(40), 40, False, torch.float32, True),
         ],
+        "norm_exact_columns": [(scale, shift), (scale, None), (None, torch.randn(40))],
+        "norm_output_forward": [
+            (x, 40, 1e-5, True, dtype, scale, shift, columns),
+            (x, 40, 1e-6, False, torch.float32, scale, None, torch_ops.norm_exact_columns(scale, None)),
+            (x, 40, 1e-5, True, dtype, None, torch.randn(40) / 2, torch.tensor([], dtype=torch.long)),
+        ],
+        "norm_output_backward": [
+            (torch.randn_like(x), y, rstd_y, scale, shift, columns, exact, 40, True, dtype),
+            (torch.randn_like(x), y, rstd_y, None, shift, columns, exact, 40, True, torch.float32),
+        ],
         "gated_backward": [(x, gate, up, "silu", None), (x, gate, act * up, "gelu", act)],
         "stock_activation": [(gate, "gelu_tanh"), (gate[..., ::2], "silu")],
         **autograd_samples(x),
@@ -60,12 +74,14 @@ def autograd_samples(x: torch.Tensor) -> dict[str, list[tuple]]:
     x = x.detach().requires_grad_()
     dtype = x.dtype
     weight, bias = (torch.randn(40, dtype=dtype, requires_grad=True) for _ in range(2))
+    frozen = weight.detach().clone().index_fill_(0, torch.tensor([3]), 0.0)  # its exact column: 3
     z, _ = torch_ops.norm_forward(x.detach(), 40, 1e-5, True, dtype)
     linear_weight, linear_bias = torch.randn(24, 40, requires_grad=True), torch.randn(24, requires_grad=True)
     return {
         "ms_norm": [
-            (x, weight, bias, 40, 1e-5, True, dtype, 0.0, "ms_layer_norm"),
-            (x, weight, None, 40, 1e-6, False, torch.float32, 1.0, "ms_rms_norm"),
+            (x, weight, bias, None, 40, 1e-5, True, dtype, 0.0, "ms_layer_norm"),
+            (x, weight, None, None, 40, 1e-6, False, torch.float32, 1.0, "ms_rms_norm"),
+            (x, frozen, bias.detach(), torch.tensor([3]), 40, 1e-5, True, dtype, 0.0, "ms_layer_norm"),  # saves y
         ],
         "affine_linear": [
             (x, z, linear_weight, linear_bias, weight, bias, dtype, 0.0),

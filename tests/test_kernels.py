@@ -141,6 +141,37 @@ def test_norm_affine_forward_is_norm_forward_then_its_affine(kernel_backend, dty
             torch.testing.assert_close(y, torch_ops.affine(z, *affine), **close)
 
 
+@pytest.mark.parametrize("center", [True, False], ids=["layer_norm", "rms_norm"])
+@pytest.mark.parametrize("dtype,out_dtype", [(d, d) for d in DTYPES] + [(torch.float32, torch.bfloat16)])
+def test_norm_output_ops_match_reference(kernel_backend, center, dtype, out_dtype):
+    """A norm that saves its output y: y, rstd and the exact columns (scale 0, |shift| > |scale|) as the
+    reference's; the input gradient rebuilt from y as the reference rebuilds it, and as norm_backward's from
+    the unrounded z, those columns included (without them a zero scale gives NaN)."""
+    ext, device = kernel_backend.module, kernel_backend.device
+    acc = torch_ops.accumulate_dtype(dtype)
+    for shape in NORM_SHAPES:
+        x = (torch.randn(shape, dtype=torch.float64) * 3 + 2).to(dtype=dtype, device=device)
+        dim = shape[-1]
+        scale, shift = torch.randn(dim, dtype=acc, device=device), torch.randn(dim, dtype=acc, device=device) / 2
+        scale[::5] = 0.0
+        z, z_rstd = torch_ops.norm_forward(x, dim, 1e-5, center, acc)
+        g = torch.randn(shape, dtype=torch.float64).to(dtype=out_dtype, device=device)
+        for affine in ((scale, shift), (scale, None), (None, shift)):
+            columns = ext.norm_exact_columns(*affine)
+            assert torch.equal(columns, torch_ops.norm_exact_columns(*affine)) and columns.dtype == torch.long
+            y, rstd, exact = ext.norm_output_forward(x, dim, 1e-5, center, out_dtype, *affine, columns)
+            ref = torch_ops.norm_output_forward(x, dim, 1e-5, center, out_dtype, *affine, columns)
+            assert y.dtype == exact.dtype == out_dtype and exact.shape == (z_rstd.numel(), columns.numel())
+            for got, want in zip((y, rstd, exact), ref):
+                torch.testing.assert_close(got, want, **half_tolerance(out_dtype))
+            grad_input = ext.norm_output_backward(g, y, rstd, *affine, columns, exact, dim, center, dtype)
+            ref_input = torch_ops.norm_output_backward(g, y, rstd, *affine, columns, exact, dim, center, dtype)
+            from_z, _ = torch_ops.norm_backward(g, z, z_rstd, affine[0], dim, center, dtype, False)
+            assert grad_input.dtype == dtype and grad_input.isfinite().all()
+            torch.testing.assert_close(grad_input, ref_input, **half_tolerance(out_dtype))
+            torch.testing.assert_close(grad_input, from_z, **(half_tolerance(out_dtype) or {"rtol": 1e-4, "atol": 1e-5}))
+
+
 def test_norm_non_contiguous_inputs(kernel_backend):
     ext, device = kernel_backend.module, kernel_backend.device
     x = torch.randn(48, 40, device=device).t()  # rows of 48, strided
@@ -176,10 +207,12 @@ def test_ops_on_compiled_backend_agree_with_the_reference_backend(kernel_backend
     """Training dtypes: each op's output and input gradient on a compiled backend equal the pure-PyTorch
     backend's (bit for bit; the norms and the gated backward's formulas within rounding)."""
     x = (torch.randn(4, 3, 40, dtype=torch.float64) * 3).to(dtype=dtype, device=kernel_backend.device)
+    weight, bias = torch.rand(40, device=x.device) + 0.5, torch.randn(40, device=x.device)  # frozen: y is saved
     exact = {"regelu2": functional.regelu2, "resilu2 4-bit": lambda t: functional.resilu2(t, bits=4)}
     close = {
         "ms_layer_norm": lambda t: functional.ms_layer_norm(t, (40,)),
         "ms_rms_norm": lambda t: functional.ms_rms_norm(t, (40,)),
+        "ms_layer_norm, frozen affine": lambda t: functional.ms_layer_norm(t, (40,), weight=weight, bias=bias),
         "gated gate_up": lambda t: functional.gated_activation(t[..., :20], t[..., 20:], "gelu", "gate_up"),
         "gated gate": lambda t: functional.gated_activation(t[..., :20], t[..., 20:], "silu", "gate"),
     }
@@ -218,6 +251,22 @@ def test_bad_arguments_raise_naming_the_op(kernel_backend):
         ext.norm_affine_forward(ints.float(), 8, 1e-5, True, torch.float32, None, None)
     with pytest.raises(ValueError, match="norm_affine_forward: expected 8 shift values of dtype"):
         ext.norm_affine_forward(ints.float(), 8, 1e-5, True, torch.float32, None, torch.ones(3, device=device))
+    with pytest.raises(ValueError, match="norm_output_forward: needs a scale or a shift"):
+        ext.norm_output_forward(ints.float(), 8, 1e-5, True, torch.float32, None, None, ints)
+    with pytest.raises(ValueError, match="norm_exact_columns: needs a scale or a shift"):
+        ext.norm_exact_columns(None, None)
+    if kernel_backend.name == "cpp":  # indices into the rows: checked (the reference would index anyway)
+        scale = torch.tensor([0.0, 1, 0, 1])
+        columns = ext.norm_exact_columns(scale, None)
+        y, rstd, exact = ext.norm_output_forward(ints.float().view(2, 4), 4, 1e-5, True, torch.float32, scale, None, columns)
+        assert columns.tolist() == [0, 2] and exact.shape == (2, 2)
+        for bad in ([2, 0], [0, 0], [0, 4], [-1, 0]):
+            with pytest.raises(ValueError, match="norm_output_backward: columns must be ascending indices in"):
+                ext.norm_output_backward(y, y, rstd, None, None, torch.tensor(bad), exact, 4, True, torch.float32)
+            with pytest.raises(ValueError, match="norm_output_forward: columns must be ascending indices in"):
+                ext.norm_output_forward(y, 4, 1e-5, True, torch.float32, scale, None, torch.tensor(bad))
+        with pytest.raises(ValueError, match=r"norm_output_backward: expected exact of shape \[2, 2\]"):
+            ext.norm_output_backward(y, y, rstd, None, None, columns, exact[:1], 4, True, torch.float32)
     if kernel_backend.name == "cpp" and torch.cuda.is_available():
         with pytest.raises(RuntimeError, match="must be on cpu"):
             ext.act_codes(ints.float().cuda(), GELU_2BIT.thresholds)

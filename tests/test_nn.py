@@ -8,6 +8,7 @@ from torch import nn
 
 from lightning_lowmem.memory import SavedTensorMeter
 from lightning_lowmem.nn import LowMemActivation, LowMemLinear, MSLayerNorm, MSRMSNorm, ReGELU2, ReSiLU2
+from lightning_lowmem.nn.norm import is_norm_output
 
 
 @pytest.mark.parametrize("stock", [nn.GELU(), nn.GELU(approximate="tanh"), nn.SiLU(), nn.SiLU(inplace=True)])
@@ -84,6 +85,31 @@ def test_hand_built_norm_and_consumers_equal_the_stock_pair_and_share_one_tensor
     # the norm's z (which q2 and v2 save too) and the square's input: no copy of y for the consumers
     assert [r.module for r in meter.records if r.shape == (3, 5, 12)] == ["<root>", "<outside>"]
     params = [x, stock.weight, q.weight, v.weight]
+    torch.testing.assert_close(torch.autograd.grad(out, params), torch.autograd.grad(expected, params))
+
+
+@pytest.mark.parametrize("stock, cls", [(nn.LayerNorm(12), MSLayerNorm), (nn.RMSNorm(12), MSRMSNorm)])
+def test_a_frozen_norm_and_its_consumers_share_its_output(stock, cls):
+    """A frozen affine (LoRA's norms): the norm saves its output itself, untagged, and the consumer linears
+    save it as it is: one tensor for the three, and the stock gradients."""
+    with torch.no_grad():  # as pretrained norms: |bias| < |weight| (else z is saved, see test_ops_norm)
+        stock.weight.uniform_(1, 2)
+        if getattr(stock, "bias", None) is not None:
+            stock.bias.uniform_(-0.5, 0.5)
+    stock.requires_grad_(False)
+    q, v = nn.Linear(12, 6), nn.Linear(12, 12)
+    norm = cls.from_module(stock)
+    q2, v2 = LowMemLinear.from_linear(q, norm=norm), LowMemLinear.from_linear(v, norm=norm)
+    x = torch.randn(3, 5, 12, requires_grad=True)
+    h = stock(x)
+    expected = (q(h) * v(h)[..., :6]).sum()
+    with SavedTensorMeter(norm) as meter:
+        y = norm(x)
+        out = (q2(y) * v2(y)[..., :6]).sum()
+    assert not is_norm_output(y)
+    torch.testing.assert_close(out, expected)
+    assert [r.module for r in meter.records if r.shape == (3, 5, 12)] == ["<root>"]
+    params = [x, q.weight, v.weight]
     torch.testing.assert_close(torch.autograd.grad(out, params), torch.autograd.grad(expected, params))
 
 

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from lightning_lowmem.functional import ms_layer_norm, ms_rms_norm
 from lightning_lowmem.memory import SavedTensorMeter
 from lightning_lowmem.ops.autocast import autocast_dtype
+from lightning_lowmem.ops.norm import memory_sharing_norm
 
 NORMS = {
     "layer": (ms_layer_norm, lambda x, shape, eps: F.layer_norm(x, shape, eps=eps)),
@@ -72,6 +73,52 @@ def test_affine_gradients_match_stock(kind, dtype, input_grad):
             assert a is None
         else:
             torch.testing.assert_close(a, b, **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("kind", NORMS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, "autocast"])
+def test_frozen_affine_saves_its_output(kind, dtype, recorder):
+    """An affine that needs no gradient (LoRA's norms): the norm saves its output y itself (by pointer: the
+    tensor its readers save), rstd, and z exactly at the columns y cannot give back (weight 0, |bias| >
+    |weight|); the input gradient is stock's, those columns included (without them a zero weight gives NaN)."""
+    ours, stock = AFFINE_NORMS[kind]
+    in_dtype = torch.float32 if dtype == "autocast" else dtype
+    x = (torch.randn(4, 5, 64) * 3 + 1).to(in_dtype).requires_grad_()
+    weight, bias = torch.rand(64) + 1, torch.rand(64) - 0.5
+    weight[0] = 0.0
+    bias[1] = weight[1] + 1
+    columns = [0, 1] if kind == "layer" else [0]  # RMSNorm has no bias; at most 64 / 32 columns
+    grad = torch.randn(4, 5, 64)
+    with recorder() as rec, torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "autocast"):
+        y = ours(x, (64,), weight, bias)
+    out_dtype = torch.bfloat16 if dtype == "autocast" else dtype
+    saved_y, rstd, saved_columns, exact = rec.saved[0], rec.saved[1], rec.saved[-2], rec.saved[-1]
+    assert saved_y.data_ptr() == y.data_ptr() and y.dtype == out_dtype and rstd.shape == (20,)
+    assert saved_columns.tolist() == columns and exact.shape == (20, len(columns)) and exact.dtype == out_dtype
+    with SavedTensorMeter() as meter:
+        y = ours(x, (64,), weight, bias)
+    parameters = 64 * 4 * (2 if kind == "layer" else 1)  # plain tensors here, counted
+    exact_bytes = len(columns) * (8 + 20 * y.element_size())  # the indices, and z there for the 20 rows
+    assert meter.total_bytes == y.numel() * y.element_size() + 20 * 4 + exact_bytes + parameters
+    (got,) = torch.autograd.grad(y, x, grad.to(y.dtype))
+    xs = x.detach().float().requires_grad_()
+    (want,) = torch.autograd.grad(stock(xs, (64,), weight, bias), xs, grad)
+    assert got.dtype == in_dtype and got.isfinite().all()
+    torch.testing.assert_close(got.float(), want, **TOLERANCE[out_dtype])
+
+
+def test_frozen_affine_with_many_columns_y_cannot_give_back_saves_z(recorder):
+    """More than 1/32 of the columns to save exactly: the norm saves z, as with a trainable affine."""
+    x = torch.randn(4, 64, requires_grad=True)
+    weight = torch.ones(64)
+    weight[:3] = 0.0
+    with recorder() as rec:
+        y, z = memory_sharing_norm(x, 64, 1e-5, True, weight, torch.zeros(64))
+    assert z is not None and rec.saved[0].data_ptr() == z.data_ptr() != y.data_ptr()
+    weight[2] = 1.0  # two columns: y
+    with recorder() as rec:
+        y, z = memory_sharing_norm(x, 64, 1e-5, True, weight, torch.zeros(64))
+    assert z is None and rec.saved[0].data_ptr() == y.data_ptr() and rec.saved[-1].shape == (4, 2)
 
 
 def test_parameter_of_the_wrong_size_is_refused():

@@ -43,14 +43,23 @@ SCHEMAS = {
         "(Tensor grad, Tensor z, Tensor rstd, Tensor? scale, int dim, bool center, ScalarType dtype, bool column_sums)"
         " -> (Tensor, Tensor)"
     ),
+    "norm_exact_columns": "(Tensor? scale, Tensor? shift) -> Tensor",
+    "norm_output_forward": (
+        "(Tensor x, int dim, float eps, bool center, ScalarType out_dtype, Tensor? scale, Tensor? shift,"
+        " Tensor columns) -> (Tensor, Tensor, Tensor)"
+    ),
+    "norm_output_backward": (
+        "(Tensor grad, Tensor y, Tensor rstd, Tensor? scale, Tensor? shift, Tensor columns, Tensor exact, int dim,"
+        " bool center, ScalarType dtype) -> Tensor"
+    ),
     "gated_backward": "(Tensor grad, Tensor gate, Tensor second, str kind, Tensor? act) -> (Tensor, Tensor)",
     "stock_activation": "(Tensor x, str kind) -> Tensor",
 }
 
 AUTOGRAD_SCHEMAS = {
     "ms_norm": (
-        "(Tensor x, Tensor? weight, Tensor? bias, int dim, float eps, bool center, ScalarType out_dtype, float offset,"
-        " str name) -> (Tensor, Tensor)"
+        "(Tensor x, Tensor? weight, Tensor? bias, Tensor? columns, int dim, float eps, bool center,"
+        " ScalarType out_dtype, float offset, str name) -> (Tensor, Tensor)"
     ),
     "affine_linear": (
         "(Tensor x, Tensor? z, Tensor weight, Tensor? bias, Tensor? gamma, Tensor? beta, ScalarType dtype, float offset)"
@@ -120,6 +129,46 @@ def _norm_backward_fake(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     sums = rstd.new_empty((2, dim) if column_sums else (0,))
     return z.new_empty(z.shape, dtype=dtype), sums
+
+
+@torch.library.register_fake(f"{NAMESPACE}::norm_exact_columns")
+def _norm_exact_columns_fake(scale: torch.Tensor | None, shift: torch.Tensor | None) -> torch.Tensor:
+    values = scale if scale is not None else shift
+    torch._check(values is not None, lambda: "norm_exact_columns: needs a scale or a shift")
+    count = torch.library.get_ctx().new_dynamic_size()  # how many depends on the values
+    torch._check(count <= values.numel())
+    return values.new_empty(count, dtype=torch.long)
+
+
+@torch.library.register_fake(f"{NAMESPACE}::norm_output_forward")
+def _norm_output_forward_fake(
+    x: torch.Tensor,
+    dim: int,
+    eps: float,
+    center: bool,
+    out_dtype: torch.dtype,
+    scale: torch.Tensor | None,
+    shift: torch.Tensor | None,
+    columns: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    y, _, rstd = _norm_affine_forward_fake(x, dim, eps, center, out_dtype, scale, shift)
+    return y, rstd, y.new_empty((rstd.numel(), columns.numel()))
+
+
+@torch.library.register_fake(f"{NAMESPACE}::norm_output_backward")
+def _norm_output_backward_fake(
+    grad: torch.Tensor,
+    y: torch.Tensor,
+    rstd: torch.Tensor,
+    scale: torch.Tensor | None,
+    shift: torch.Tensor | None,
+    columns: torch.Tensor,
+    exact: torch.Tensor,
+    dim: int,
+    center: bool,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    return y.new_empty(y.shape, dtype=dtype)
 
 
 @torch.library.register_fake(f"{NAMESPACE}::gated_backward")

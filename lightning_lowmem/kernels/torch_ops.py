@@ -33,6 +33,18 @@ same functions with the same contract, so the autograd functions in
   returned in ``dtype``; with ``column_sums``, ``sums`` holds ``sum(grad * z)`` and ``sum(grad)``
   over the rows (the gradients of ``gamma`` and ``beta``; shape ``(2, dim)``, accumulate dtype),
   else it is empty. One pass computes what stock LayerNorm's backward computes.
+- ``norm_exact_columns(scale, shift) -> columns``: the columns where ``z = (y - shift) / scale`` loses
+  precision (ascending int64 indices; how many depends on the values): ``scale`` 0, or ``|shift| >
+  |scale|`` (a missing scale is 1).
+- ``norm_output_forward(x, dim, eps, center, out_dtype, scale, shift, columns) -> (y, rstd, exact)``:
+  ``norm_affine_forward`` for a norm that saves its output ``y`` rather than ``z`` (a frozen affine): no
+  ``z`` is written, ``y`` is rounded once, from ``z`` unrounded (as stock's), and ``exact`` (rows x
+  ``len(columns)``, ``out_dtype``) holds ``z`` at the ``columns`` (ascending int64 indices, each once:
+  the affine's ``norm_exact_columns``).
+- ``norm_output_backward(grad, y, rstd, scale, shift, columns, exact, dim, center, dtype) -> grad_input``:
+  ``norm_backward``'s input gradient with ``z = (y - shift) / scale`` rebuilt from the saved output, except
+  at ``columns`` (ascending int64 indices, each once), whose ``z`` is ``exact``. A compiled kernel reads ``y``
+  where the other reads ``z``.
 - ``gated_backward(grad, gate, second, kind, act) -> (grad_gate, grad_up)``: gradients of
   ``h = act(gate) * up`` (all tensors one dtype and shape; ``kind`` is ``"silu"``, ``"gelu"`` or
   ``"gelu_tanh"``), computed in fp32 (fp64 for fp64) with ``act'`` evaluated from ``gate``. With
@@ -200,6 +212,16 @@ def affine(z: torch.Tensor, scale: torch.Tensor | None, shift: torch.Tensor | No
     return out.to(z.dtype)
 
 
+def check_affine(op: str, dim: int, dtype: torch.dtype, scale: torch.Tensor | None, shift: torch.Tensor | None) -> None:
+    """A scale or a shift (or both) of ``dim`` values of the accumulate ``dtype`` each, else an error naming ``op``."""
+    if scale is None and shift is None:
+        raise ValueError(f"{op}: needs a scale or a shift")
+    acc = accumulate_dtype(dtype)
+    for name, values in (("scale", scale), ("shift", shift)):
+        if values is not None and (values.numel() != dim or values.dtype != acc):
+            raise ValueError(f"{op}: expected {dim} {name} values of dtype {acc}, got {values.numel()} of {values.dtype}")
+
+
 def with_affine(norm_forward: Callable) -> Callable:
     """The ``norm_affine_forward`` of a backend whose norm kernel does not fuse the affine: ``norm_forward``,
     then :func:`affine` as a PyTorch pass."""
@@ -213,15 +235,7 @@ def with_affine(norm_forward: Callable) -> Callable:
         scale: torch.Tensor | None,
         shift: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if scale is None and shift is None:
-            raise ValueError("norm_affine_forward: needs a scale or a shift")
-        acc = accumulate_dtype(x.dtype)
-        for name, values in (("scale", scale), ("shift", shift)):
-            if values is not None and (values.numel() != dim or values.dtype != acc):
-                raise ValueError(
-                    f"norm_affine_forward: expected {dim} {name} values of dtype {acc}, "
-                    f"got {values.numel()} of {values.dtype}"
-                )
+        check_affine("norm_affine_forward", dim, x.dtype, scale, shift)
         z, rstd = norm_forward(x, dim, eps, center, out_dtype)
         return affine(z, scale, shift), z, rstd
 
@@ -229,6 +243,51 @@ def with_affine(norm_forward: Callable) -> Callable:
 
 
 norm_affine_forward = with_affine(norm_forward)
+
+
+def norm_exact_columns(scale: torch.Tensor | None, shift: torch.Tensor | None) -> torch.Tensor:
+    """The contract's columns: beyond them, ``y``'s rounding error over ``scale`` exceeds ``z``'s own for ``|z| <= 1``."""
+    if scale is None and shift is None:
+        raise ValueError("norm_exact_columns: needs a scale or a shift")
+    values = shift if scale is None else scale
+    bad = torch.zeros_like(values, dtype=torch.bool) if scale is None else scale == 0
+    if shift is not None:
+        bad |= shift.abs() > (1.0 if scale is None else scale.abs())
+    return bad.nonzero().view(-1)
+
+
+def norm_output_forward(
+    x: torch.Tensor,
+    dim: int,
+    eps: float,
+    center: bool,
+    out_dtype: torch.dtype,
+    scale: torch.Tensor | None,
+    shift: torch.Tensor | None,
+    columns: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    check_affine("norm_output_forward", dim, x.dtype, scale, shift)
+    y, z, rstd = norm_affine_forward(x, dim, eps, center, accumulate_dtype(x.dtype), scale, shift)  # z unrounded
+    return y.to(out_dtype), rstd, z.view(-1, dim)[:, columns].to(out_dtype)
+
+
+def norm_output_backward(
+    grad: torch.Tensor,
+    y: torch.Tensor,
+    rstd: torch.Tensor,
+    scale: torch.Tensor | None,
+    shift: torch.Tensor | None,
+    columns: torch.Tensor,
+    exact: torch.Tensor,
+    dim: int,
+    center: bool,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    z = y.reshape(-1, dim).to(rstd.dtype)
+    z = z if shift is None else z - shift
+    z = z if scale is None else z / scale
+    z = z.index_copy(1, columns, exact.to(rstd.dtype))
+    return norm_backward(grad, z.view(y.shape), rstd, scale, dim, center, dtype, False)[0]
 
 
 def affine_grad_sums(grad: torch.Tensor, z: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor:

@@ -287,6 +287,9 @@ def norm_forward(
 
 
 norm_affine_forward = torch_ops.with_affine(norm_forward)  # the affine not fused here yet
+# the ops layer saves a frozen norm's output only on CPU (ops.norm): there Triton runs only interpreted, in tests
+norm_exact_columns, norm_output_forward = torch_ops.norm_exact_columns, torch_ops.norm_output_forward
+norm_output_backward = torch_ops.norm_output_backward
 
 
 def norm_backward(

@@ -2,7 +2,8 @@
 
 A memory-sharing norm saves its affine-free output ``z`` (and one fp32 rstd per row) instead of
 its input, and returns the stock output ``y = gamma * z + beta`` tagged with ``z``. Every reader of ``y`` sees the stock values: residual
-adds, returned hidden states, hooks, anything. A :class:`~lightning_lowmem.nn.LowMemLinear` built
+adds, returned hidden states, hooks, anything. (A frozen affine on CPU saves ``y`` itself, see
+:func:`~lightning_lowmem.ops.norm.output_columns`: its output is untagged, and its readers save it as it is.) A :class:`~lightning_lowmem.nn.LowMemLinear` built
 with ``norm=`` this module recognises the tag and saves ``z`` in place of ``y``: the norm and all its
 consumer linears keep one tensor. ``weight`` / ``bias`` keep their stock names, so checkpoints load
 into the stock model and back; ``weight_offset`` covers norms that scale by ``weight + offset`` (Gemma's
@@ -103,7 +104,7 @@ class MemorySharingNorm(nn.Module):
         y, z = memory_sharing_norm(
             x, self.normalized_shape, eps, self.center, self.weight, self.bias, self.weight_offset, name
         )
-        if torch.is_grad_enabled():  # only a training forward saves anything worth sharing
+        if torch.is_grad_enabled() and z is not None:  # a training forward that saved z (not y: nothing to share)
             if torch.compiler.is_compiling():
                 # dynamo (torch 2.14) sets no attribute on a custom operator's output, on a view it does
                 y = y.view_as(y)
