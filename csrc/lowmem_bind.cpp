@@ -174,12 +174,6 @@ std::tuple<at::Tensor, at::Tensor> norm_backward_op(const at::Tensor& grad, cons
 }
 
 #if !defined(LOWMEM_CUDA)
-// affine_values, or `fill` (the identity affine's) when not given.
-at::Tensor affine_or(const char* op, const char* name, const std::optional<at::Tensor>& t, int64_t dim,
-                     const at::Tensor& rstd, double fill) {
-  return t.has_value() ? affine_values(op, name, t, dim, rstd.scalar_type()) : at::full({dim}, fill, rstd.options());
-}
-
 // `columns`: ascending int64 indices below dim, each once (a loop: this runs on every call, on CPU).
 at::Tensor checked_columns(const char* op, const at::Tensor& columns, int64_t dim) {
   check_tensor(op, "columns", columns);
@@ -261,14 +255,12 @@ at::Tensor norm_output_backward_op(const at::Tensor& grad, const at::Tensor& y, 
                         exact.scalar_type() == y.scalar_type(),
                     op, ": expected exact of shape [", rows, ", ", c.numel(), "] and dtype ", y.scalar_type(),
                     ", got ", exact.sizes(), " ", exact.scalar_type());
-  const at::Tensor scale_values = affine_or(op, "scale", scale, dim, rstd, 1.0);
-  const at::Tensor shift_values = affine_or(op, "shift", shift, dim, rstd, 0.0);
-  at::Tensor inverse_scale = scale_values.reciprocal().index_fill_(0, c, 0.0);
-  at::Tensor shifted = shift_values * inverse_scale;
+  const at::Tensor scale_values = affine_values(op, "scale", scale, dim, acc);
+  const at::Tensor shift_values = affine_values(op, "shift", shift, dim, acc);
   at::Tensor grad_input = at::empty(y.sizes(), y.options().dtype(dtype));
   if (rows > 0) {
     norm_output_backward(grad.to(y.scalar_type()).contiguous(), y.contiguous(), rstd.contiguous(), scale_values,
-                         inverse_scale, shifted, c, exact.contiguous(), dim, center, grad_input);
+                         shift_values, c, exact.contiguous(), dim, center, grad_input);
   }
   return grad_input;
 }

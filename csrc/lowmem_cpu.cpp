@@ -840,16 +840,26 @@ void norm_output_forward(const at::Tensor& x, int64_t dim, double eps, bool cent
 }
 
 void norm_output_backward(const at::Tensor& grad, const at::Tensor& y, const at::Tensor& rstd, const at::Tensor& scale,
-                          const at::Tensor& inverse_scale, const at::Tensor& shifted, const at::Tensor& columns,
-                          const at::Tensor& exact, int64_t dim, bool center, at::Tensor& grad_input) {
+                          const at::Tensor& shift, const at::Tensor& columns, const at::Tensor& exact, int64_t dim,
+                          bool center, at::Tensor& grad_input) {
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, y.scalar_type(), "norm_output_backward", [&] {
     using out_t = scalar_t;
     using acc_t = at::opmath_type<out_t>;
+    // the kernel's per-column values (a loop: ATen ops on these few values would cost more than they do)
+    std::vector<acc_t> gamma(dim, acc_t(1)), inverse(dim), shifted(dim);
+    const acc_t* s = scale.defined() ? scale.const_data_ptr<acc_t>() : nullptr;
+    const acc_t* b = shift.defined() ? shift.const_data_ptr<acc_t>() : nullptr;
+    for (int64_t k = 0; k < dim; ++k) {
+      if (s != nullptr) gamma[k] = s[k];
+      inverse[k] = acc_t(1) / gamma[k];
+      shifted[k] = b != nullptr ? b[k] * inverse[k] : acc_t(0);
+    }
+    const int64_t* index = columns.const_data_ptr<int64_t>();
+    for (int64_t c = 0; c < columns.numel(); ++c) inverse[index[c]] = shifted[index[c]] = acc_t(0);
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad_input.scalar_type(), "norm_output_backward", [&] {
       norm_output_backward_kernel(grad.const_data_ptr<out_t>(), y.const_data_ptr<out_t>(), rstd.const_data_ptr<acc_t>(),
-                                  scale.const_data_ptr<acc_t>(), inverse_scale.const_data_ptr<acc_t>(),
-                                  shifted.const_data_ptr<acc_t>(), columns.const_data_ptr<int64_t>(),
-                                  columns.numel(), exact.const_data_ptr<out_t>(), rstd.numel(), dim, center,
+                                  gamma.data(), inverse.data(), shifted.data(), index, columns.numel(),
+                                  exact.const_data_ptr<out_t>(), rstd.numel(), dim, center,
                                   grad_input.mutable_data_ptr<scalar_t>());
     });
   });

@@ -67,12 +67,11 @@ void norm_output_forward(const at::Tensor& x, int64_t dim, double eps, bool cent
                          const at::Tensor& scale, const at::Tensor& shift, at::Tensor& y, const at::Tensor& columns,
                          at::Tensor& exact);
 
-// norm_backward's input gradient from y and rstd: z = y * inverse_scale - shifted (shift * inverse_scale), except
-// at `columns`, whose z is `exact` (inverse_scale and shifted are 0 there). scale, inverse_scale and shifted:
-// `dim` values of rstd's dtype.
+// norm_backward's input gradient from y and rstd: z = (y - shift) / scale (an undefined scale is 1, an undefined
+// shift 0; `dim` values of rstd's dtype), except at `columns`, whose z is `exact`.
 void norm_output_backward(const at::Tensor& grad, const at::Tensor& y, const at::Tensor& rstd, const at::Tensor& scale,
-                          const at::Tensor& inverse_scale, const at::Tensor& shifted, const at::Tensor& columns,
-                          const at::Tensor& exact, int64_t dim, bool center, at::Tensor& grad_input);
+                          const at::Tensor& shift, const at::Tensor& columns, const at::Tensor& exact, int64_t dim,
+                          bool center, at::Tensor& grad_input);
 #endif
 
 // Gradients of h = act(gate) * up (kind: silu, gelu or gelu_tanh) from grad = dL/dh. An undefined `act`:
