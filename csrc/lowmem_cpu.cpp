@@ -596,14 +596,17 @@ void norm_output_backward_rows(const U* grad, const U* y, const at::opmath_type<
   using acc_t = at::opmath_type<U>;
   using Vec = Vectorized<acc_t>;
   constexpr int64_t kStep = 2 * Vec::size();
+  const auto column_values = [&](int64_t i) {  // the three per-column values, two vectors each
+    const int64_t j = i + Vec::size();
+    return std::array<Vec, 6>{Vec::loadu(scale + i),         Vec::loadu(scale + j),
+                              Vec::loadu(inverse_scale + i), Vec::loadu(inverse_scale + j),
+                              Vec::loadu(shifted + i),       Vec::loadu(shifted + j)};
+  };
   Vec sum_g[kRows], sum_gz[kRows];
   for (int q = 0; q < kRows; ++q) sum_g[q] = sum_gz[q] = Vec(0);
   int64_t i = 0;
   for (; i + kStep <= dim; i += kStep) {
-    const int64_t j = i + Vec::size();
-    const Vec gamma0 = Vec::loadu(scale + i), gamma1 = Vec::loadu(scale + j);
-    const Vec inverse0 = Vec::loadu(inverse_scale + i), inverse1 = Vec::loadu(inverse_scale + j);
-    const Vec shifted0 = Vec::loadu(shifted + i), shifted1 = Vec::loadu(shifted + j);
+    const auto [gamma0, gamma1, inverse0, inverse1, shifted0, shifted1] = column_values(i);
     for (int q = 0; q < kRows; ++q) {
       const auto [g0, g1] = load_pair<acc_t>(grad + q * dim + i);
       const auto [y0, y1] = load_pair<acc_t>(y + q * dim + i);
@@ -632,10 +635,7 @@ void norm_output_backward_rows(const U* grad, const U* y, const at::opmath_type<
     mean_gz[q] = total_gz / acc_t(dim);
   }
   for (i = 0; i + kStep <= dim; i += kStep) {
-    const int64_t j = i + Vec::size();
-    const Vec gamma0 = Vec::loadu(scale + i), gamma1 = Vec::loadu(scale + j);
-    const Vec inverse0 = Vec::loadu(inverse_scale + i), inverse1 = Vec::loadu(inverse_scale + j);
-    const Vec shifted0 = Vec::loadu(shifted + i), shifted1 = Vec::loadu(shifted + j);
+    const auto [gamma0, gamma1, inverse0, inverse1, shifted0, shifted1] = column_values(i);
     for (int q = 0; q < kRows; ++q) {
       const auto [g0, g1] = load_pair<acc_t>(grad + q * dim + i);
       const auto [y0, y1] = load_pair<acc_t>(y + q * dim + i);
