@@ -121,8 +121,18 @@ def test_interleaved_rounds_alternate_which_function_runs_first():
     from benchmarks import common
 
     calls: list[str] = []
-    common.interleaved_median({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, repeats=3, warmup=0)
-    assert calls == ["a", "b", "b", "a", "a", "b"]
+    common.interleaved_median({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, repeats=4, warmup=0)
+    assert calls == ["a", "b", "b", "a", "b", "a", "a", "b"]
+
+
+def test_interleaved_rounds_of_nine_functions_put_each_first_in_turn():
+    """Cycling through permutations would run the same function first for 40320 rounds."""
+    from benchmarks import common
+
+    calls: list[str] = []
+    common.interleaved_times({name: lambda name=name: calls.append(name) for name in "abcdefghi"}, 18, warmup=0)
+    firsts = [calls[i] for i in range(0, len(calls), 9)]
+    assert sorted(firsts) == sorted("abcdefghi" * 2)
 
 
 def test_interleaved_rounds_of_three_functions_take_every_order_in_turn():
