@@ -121,6 +121,16 @@ def test_frozen_affine_with_many_columns_y_cannot_give_back_saves_z(recorder):
     assert z is None and rec.saved[0].data_ptr() == y.data_ptr() and rec.saved[-1].shape == (4, 2)
 
 
+def test_frozen_affine_output_changed_in_place_is_refused_at_backward():
+    """The norm saved its output: changed in place before backward, autograd says so (stock saves its input and
+    would not notice; the surgery leaves a norm whose output is changed in place alone)."""
+    x = torch.randn(4, 16, requires_grad=True)
+    y = ms_layer_norm(x, 16, weight=torch.ones(16), bias=torch.zeros(16))
+    y.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
 def test_parameter_of_the_wrong_size_is_refused():
     with pytest.raises(ValueError, match="ms_layer_norm: weight of shape \\[7\\] does not match"):
         ms_layer_norm(torch.randn(3, 8), 8, weight=torch.ones(7))
