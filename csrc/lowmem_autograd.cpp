@@ -123,13 +123,13 @@ struct MemorySharingNorm : public torch::autograd::Function<MemorySharingNorm> {
     ctx->saved_data["in_dtype"] = x.scalar_type();
     ctx->saved_data["offset"] = offset;
     ctx->saved_data["name"] = std::string(name);
-    ctx->saved_data["needs"] = std::vector<bool>{x.requires_grad(), requires_grad(gamma), requires_grad(beta)};
     ctx->saved_data["saves_output"] = columns.has_value();
-    if (columns.has_value()) {
+    if (columns.has_value()) {  // only the input needs a gradient
       auto [y, rstd, exact] = norm_output_forward(x, dim, eps, center, out_dtype, scale, shift, *columns);
       ctx->save_for_backward({y, rstd, value_or_undefined(gamma), value_or_undefined(beta), *columns, exact});
       return {y};
     }
+    ctx->saved_data["needs"] = std::vector<bool>{x.requires_grad(), requires_grad(gamma), requires_grad(beta)};
     auto [y, z, rstd] = norm_affine_forward(x, dim, eps, center, out_dtype, scale, shift);
     // an input that needs no gradient (the first norm on frozen embeddings) keeps no rstd
     ctx->save_for_backward({z, x.requires_grad() ? rstd : at::Tensor(), value_or_undefined(gamma),

@@ -267,8 +267,8 @@ def norm_output_forward(
     columns: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     check_affine("norm_output_forward", dim, x.dtype, scale, shift)
-    y, z, rstd = norm_affine_forward(x, dim, eps, center, accumulate_dtype(x.dtype), scale, shift)  # z unrounded
-    return y.to(out_dtype), rstd, z.view(-1, dim)[:, columns].to(out_dtype)
+    z, rstd = norm_forward(x, dim, eps, center, accumulate_dtype(x.dtype))  # unrounded
+    return affine(z, scale, shift).to(out_dtype), rstd, z.view(-1, dim)[:, columns].to(out_dtype)
 
 
 def norm_output_backward(
