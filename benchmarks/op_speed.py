@@ -1,6 +1,7 @@
 """Low-memory ops against the stock ops they replace: forward, backward, forward+backward.
 
-Ratios are low-memory time / stock time (below 1 is faster), measured in one process,
+Ratios are low-memory time / stock time (below 1 is faster; "eval fwd" is a forward under
+``torch.no_grad``, as validation runs it), measured in one process,
 interleaved, median of repeated runs after warm-up. The norms are affine-free, except in the
 rows with a frozen affine (a weight and bias that need no gradient, as under LoRA): the affine is
 fused in the low-memory norm's kernel, stock LayerNorm applies it in its own; the low-memory norm
@@ -64,12 +65,14 @@ OPS: dict[str, tuple[Callable, Callable]] = {  # name -> (low-memory op, stock o
 
 
 def phases(op: Callable, x: torch.Tensor, g: torch.Tensor) -> dict[str, Callable[[], object]]:
-    """Forward (recording the graph), backward alone (on a retained graph), and both."""
+    """Forward (recording the graph), backward alone (on a retained graph), both, and the eval forward
+    (``torch.no_grad``: what validation runs)."""
     y = op(x)
     return {
         "fwd": lambda: op(x),
         "bwd": lambda: torch.autograd.grad(y, x, g, retain_graph=True),
         "fwd+bwd": lambda: torch.autograd.grad(op(x), x, g),
+        "eval fwd": torch.no_grad()(lambda: op(x)),
     }
 
 
@@ -126,7 +129,8 @@ def measure(name: str, shape: tuple[int, ...], dtype: torch.dtype, repeats: int)
     t = {key: statistics.median(times) for key, times in samples.items()}
     add_bandwidth = 3 * math.prod(shape) * x.element_size() / t[("add", "")]
     ratio = {
-        phase: paired_ratio(samples[("low", phase)], samples[("stock", phase)]) for phase in ("fwd", "bwd", "fwd+bwd")
+        phase: paired_ratio(samples[("low", phase)], samples[("stock", phase)])
+        for phase in ("fwd", "bwd", "fwd+bwd", "eval fwd")
     }
     bandwidth = {phase: nbytes / t[("kernel", phase)] / add_bandwidth for phase, (_, nbytes) in calls.items()}
     return [
@@ -136,6 +140,7 @@ def measure(name: str, shape: tuple[int, ...], dtype: torch.dtype, repeats: int)
         f"{ratio['fwd'][0]:.2f}",
         f"{ratio['bwd'][0]:.2f}",
         "**{:.2f}** ({:.2f}-{:.2f})".format(*ratio["fwd+bwd"]),
+        f"{ratio['eval fwd'][0]:.2f}",
         f"{t[('stock', 'fwd+bwd')] * 1e3:.1f}",
         f"{t[('low', 'fwd+bwd')] * 1e3:.1f}",
         f"{bandwidth['fwd']:.2f}",
@@ -150,6 +155,7 @@ HEADER = [
     "fwd",
     "bwd",
     "fwd+bwd (95% interval)",
+    "eval fwd",
     "stock fwd+bwd ms",
     "low-mem fwd+bwd ms",
     "fwd kernel bw",

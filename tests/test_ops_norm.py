@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -240,6 +241,22 @@ def test_no_grad_saves_nothing(recorder):
         y = ms_layer_norm(x, 8)
     assert rec.saved == []
     torch.testing.assert_close(y, F.layer_norm(x.detach(), (8,)))
+
+
+@pytest.mark.parametrize("kind", NORMS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mode", ["no_grad", "nothing_needs_grad"])
+def test_affine_norm_that_saves_nothing_writes_its_output_alone(kind, dtype, mode):
+    """An eval forward (or one where nothing needs a gradient) saves nothing, so nothing needs z: on CPU the
+    norm writes y alone, as stock's, rounded once from the unrounded z."""
+    _, stock = AFFINE_NORMS[kind]
+    x = (torch.randn(6, 5, 64) * 3 + 1).to(dtype)
+    weight, bias = (1 + torch.randn(64) / 4).to(dtype), (torch.randn(64) / 10).to(dtype)
+    with torch.no_grad() if mode == "no_grad" else contextlib.nullcontext():
+        y, z = memory_sharing_norm(x, 64, 1e-5, kind == "layer", weight, bias if kind == "layer" else None)
+    assert z is None and y.dtype == dtype
+    want = stock(x.float(), (64,), weight.float(), bias.float())
+    torch.testing.assert_close(y, want.to(dtype), **TOLERANCE[dtype])
 
 
 @pytest.mark.parametrize("kind", NORMS)

@@ -15,7 +15,9 @@ pair still costs one activation, and the forward writes one tensor, as stock's d
 bandwidth-bound CPU the second write cost 25-40% of the fwd+bwd time). The backward rebuilds
 ``z = (y - beta) / gamma`` as it reads ``y``; the few columns where that loses precision (``gamma`` 0,
 or ``|beta| > |gamma|``: 0.3% of pretrained MiniLM's) are saved exactly; where they are many, the norm
-saves ``z``. Their number depends on the values, so under torch.compile the norm saves ``z``.
+saves ``z``. Their number depends on the values, so under torch.compile the norm saves ``z``. A forward
+that saves nothing (eval, ``torch.no_grad``) writes ``y`` alone on CPU too: writing ``z`` as well made it
+1.7-1.9x stock's at LLaMA shapes.
 """
 
 from __future__ import annotations
@@ -47,6 +49,15 @@ def affine_values(
     return (None if gamma is None else affine_scale(gamma, offset).to(acc)), (None if beta is None else beta.to(acc))
 
 
+def writes_output_alone(x: torch.Tensor) -> bool:
+    """Whether ``x``'s kernels write ``y`` alone with the affine fused (``norm_output_forward``): the CPU ones.
+    The GPU ones write ``z`` and ``y`` (their ``norm_output_forward`` is the PyTorch reference)."""
+    return x.device.type == "cpu"
+
+
+_NO_COLUMNS = torch.empty(0, dtype=torch.long)
+
+
 MAX_EXACT_FRACTION = 1 / 32
 """A frozen norm saves ``y`` while at most this fraction of its columns need ``z`` saved exactly (it then saves
 at most 3% more than ``z`` alone would cost); with more, it saves ``z``."""
@@ -61,7 +72,7 @@ def output_columns(
     params = [p for p in (weight, bias) if p is not None]
     if not params or any(p.requires_grad for p in params) or not x.requires_grad:
         return None
-    if x.device.type != "cpu" or torch.compiler.is_compiling():
+    if not writes_output_alone(x) or torch.compiler.is_compiling():
         return None
     columns = kernels.implementation(x.device).norm_exact_columns(*affine_values(x.dtype, weight, bias, offset))
     return columns if columns.numel() <= dim * MAX_EXACT_FRACTION else None
@@ -171,8 +182,9 @@ def memory_sharing_norm(
     name: str = "memory_sharing_norm",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(y, z)``: the norm's stock output ``y = (weight + weight_offset) * z + bias`` and the affine-free ``z``
-    it saves (``y`` is ``z`` with no affine; ``None`` where it saves ``y`` itself, see :func:`output_columns`).
-    LayerNorm with ``center``, else RMSNorm."""
+    it saves (``y`` is ``z`` with no affine; ``None`` where it saves ``y`` itself, see :func:`output_columns`,
+    and where it saves nothing on CPU: an eval forward writes ``y`` alone). LayerNorm with ``center``, else
+    RMSNorm."""
     dim = _checked_size(name, x, normalized_shape, weight, bias, eps)
     out_dtype = output_dtype(x)
     affine = weight is not None or bias is not None
@@ -194,9 +206,11 @@ def memory_sharing_norm(
     if not affine:
         z, _ = impl.norm_forward(x, dim, eps, center, out_dtype)
         return z, z
-    y, z, _ = impl.norm_affine_forward(
-        x, dim, eps, center, out_dtype, *affine_values(x.dtype, weight, bias, weight_offset)
-    )
+    scale, shift = affine_values(x.dtype, weight, bias, weight_offset)
+    if writes_output_alone(x):  # nothing is saved, so nothing needs z: y alone, one tensor written as stock's
+        y, _, _ = impl.norm_output_forward(x, dim, eps, center, out_dtype, scale, shift, _NO_COLUMNS)
+        return y, None
+    y, z, _ = impl.norm_affine_forward(x, dim, eps, center, out_dtype, scale, shift)
     return y, z
 
 
