@@ -61,6 +61,13 @@ std::tuple<at::Tensor, at::Tensor> norm_backward(const at::Tensor& grad, const a
   return op.call(grad, z, rstd, scale, dim, center, dtype, column_sums);
 }
 
+at::Tensor norm_exact_columns(const OptionalTensor& scale, const OptionalTensor& shift) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("lowmem::norm_exact_columns", "")
+                       .typed<at::Tensor(const OptionalTensor&, const OptionalTensor&)>();
+  return op.call(scale, shift);
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_output_forward(const at::Tensor& x, int64_t dim, double eps,
                                                                    bool center, at::ScalarType out_dtype,
                                                                    const OptionalTensor& scale,
@@ -112,10 +119,10 @@ at::Tensor act_backward(const at::Tensor& grad, const at::Tensor& packed, at::Ar
 }
 
 // lightning_lowmem.ops.norm.MemorySharingNorm with an affine: returns (y, z), z without a gradient, or (y) where
-// it saves y and z at the exact `columns` instead.
+// it saves y, and z at its exact columns (at most max_exact_columns of them), instead.
 struct MemorySharingNorm : public torch::autograd::Function<MemorySharingNorm> {
   static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const OptionalTensor& gamma,
-                               const OptionalTensor& beta, const OptionalTensor& columns, int64_t dim, double eps,
+                               const OptionalTensor& beta, int64_t max_exact_columns, int64_t dim, double eps,
                                bool center, at::ScalarType out_dtype, double offset, c10::string_view name) {
     auto [scale, shift] = affine_values(x.scalar_type(), value_or_undefined(gamma), value_or_undefined(beta), offset);
     ctx->saved_data["dim"] = dim;
@@ -123,10 +130,14 @@ struct MemorySharingNorm : public torch::autograd::Function<MemorySharingNorm> {
     ctx->saved_data["in_dtype"] = x.scalar_type();
     ctx->saved_data["offset"] = offset;
     ctx->saved_data["name"] = std::string(name);
-    ctx->saved_data["saves_output"] = columns.has_value();
-    if (columns.has_value()) {  // only the input needs a gradient
-      auto [y, rstd, exact] = norm_output_forward(x, dim, eps, center, out_dtype, scale, shift, *columns);
-      ctx->save_for_backward({y, rstd, value_or_undefined(gamma), value_or_undefined(beta), *columns, exact});
+    const at::Tensor columns = max_exact_columns >= 0 ? norm_exact_columns(scale, shift) : at::Tensor();
+    // traced (fake tensors), their number is not known: z, as under torch.compile
+    const std::optional<int64_t> n_exact = columns.defined() ? columns.sym_numel().maybe_as_int() : std::nullopt;
+    const bool saves_output = n_exact.has_value() && *n_exact <= max_exact_columns;
+    ctx->saved_data["saves_output"] = saves_output;
+    if (saves_output) {  // only the input needs a gradient
+      auto [y, rstd, exact] = norm_output_forward(x, dim, eps, center, out_dtype, scale, shift, columns);
+      ctx->save_for_backward({y, rstd, value_or_undefined(gamma), value_or_undefined(beta), columns, exact});
       return {y};
     }
     ctx->saved_data["needs"] = std::vector<bool>{x.requires_grad(), requires_grad(gamma), requires_grad(beta)};
@@ -176,11 +187,11 @@ struct MemorySharingNorm : public torch::autograd::Function<MemorySharingNorm> {
 };
 
 std::tuple<at::Tensor, at::Tensor> ms_norm(const at::Tensor& x, const OptionalTensor& gamma,
-                                           const OptionalTensor& beta, const OptionalTensor& columns, int64_t dim,
+                                           const OptionalTensor& beta, int64_t max_exact_columns, int64_t dim,
                                            double eps, bool center, at::ScalarType out_dtype, double offset,
                                            c10::string_view name) {
   TORCH_CHECK_VALUE(gamma.has_value() || beta.has_value(), name, ": lowmem::ms_norm needs a weight or a bias");
-  variable_list out = MemorySharingNorm::apply(x, gamma, beta, columns, dim, eps, center, out_dtype, offset, name);
+  variable_list out = MemorySharingNorm::apply(x, gamma, beta, max_exact_columns, dim, eps, center, out_dtype, offset, name);
   return {out[0], out.size() > 1 ? out[1] : at::Tensor()};  // no z (None) where the norm saved y
 }
 

@@ -58,7 +58,7 @@ SCHEMAS = {
 
 AUTOGRAD_SCHEMAS = {
     "ms_norm": (
-        "(Tensor x, Tensor? weight, Tensor? bias, Tensor? columns, int dim, float eps, bool center,"
+        "(Tensor x, Tensor? weight, Tensor? bias, int max_exact_columns, int dim, float eps, bool center,"
         " ScalarType out_dtype, float offset, str name) -> (Tensor, Tensor)"
     ),
     "affine_linear": (

@@ -3,7 +3,7 @@
 A memory-sharing norm saves its affine-free output ``z`` (and one fp32 rstd per row) instead of
 its input, and returns the stock output ``y = gamma * z + beta`` tagged with ``z``. Every reader of ``y`` sees the stock values: residual
 adds, returned hidden states, hooks, anything. (A frozen affine on CPU saves ``y`` itself, see
-:func:`~lightning_lowmem.ops.norm.output_columns`: its output is untagged, and its readers save it as it is.) A :class:`~lightning_lowmem.nn.LowMemLinear` built
+:func:`~lightning_lowmem.ops.norm.max_exact_columns`: its output is untagged, and its readers save it as it is.) A :class:`~lightning_lowmem.nn.LowMemLinear` built
 with ``norm=`` this module recognises the tag and saves ``z`` in place of ``y``: the norm and all its
 consumer linears keep one tensor. ``weight`` / ``bias`` keep their stock names, so checkpoints load
 into the stock model and back; ``weight_offset`` covers norms that scale by ``weight + offset`` (Gemma's

@@ -10,7 +10,7 @@ Under autocast the output is returned in the autocast dtype, otherwise the linea
 own cast copy and nothing would be shared.
 
 A frozen affine (LoRA leaves the norms frozen) needs no ``z`` for its own gradients, and on CPU the
-norm then saves ``y`` itself (:func:`output_columns`): the tensor its readers save as they are, so the
+norm then saves ``y`` itself (:func:`max_exact_columns`): the tensor its readers save as they are, so the
 pair still costs one activation, and the forward writes one tensor, as stock's does, not two (on a
 bandwidth-bound CPU the second write cost 25-40% of the fwd+bwd time). The backward rebuilds
 ``z = (y - beta) / gamma`` as it reads ``y``; the few columns where that loses precision (``gamma`` 0,
@@ -63,45 +63,42 @@ MAX_EXACT_FRACTION = 1 / 32
 at most 3% more than ``z`` alone would cost); with more, it saves ``z``."""
 
 
-def output_columns(
-    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, offset: float, dim: int
-) -> torch.Tensor | None:
-    """The columns whose ``z`` the norm saves exactly where it saves its output ``y`` rather than ``z``, else
-    ``None``: an affine that needs no gradient on an input that does, in an eager CPU call, with few such
-    columns (:data:`MAX_EXACT_FRACTION`). See the module docstring."""
+def max_exact_columns(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, dim: int) -> int:
+    """How many columns the norm may save ``z`` exactly at where it saves its output ``y`` rather than ``z``
+    (:data:`MAX_EXACT_FRACTION` of them), or -1 where it saves ``z``: anything but an affine that needs no
+    gradient on an input that does, in an eager CPU call. The norm finds the columns from the affine's values
+    (``norm_exact_columns``), and saves ``z`` where there are more. See the module docstring."""
     params = [p for p in (weight, bias) if p is not None]
     if not params or any(p.requires_grad for p in params) or not x.requires_grad:
-        return None
+        return -1
     if not writes_output_alone(x) or torch.compiler.is_compiling():
-        return None
-    columns = kernels.implementation(x.device).norm_exact_columns(*affine_values(x.dtype, weight, bias, offset))
-    return columns if columns.numel() <= dim * MAX_EXACT_FRACTION else None
+        return -1
+    return int(dim * MAX_EXACT_FRACTION)
 
 
 class MemorySharingNorm(torch.autograd.Function):
     """Norm and affine that save only the affine-free output ``z`` and rstd. Returns ``(y, z)``, ``z``
     without a gradient of its own (readers that save it take ``dL/dy``), or ``z`` alone with no affine;
-    ``(y, None)`` where it saves ``y`` and ``z`` at the exact ``columns`` instead (:func:`output_columns`:
-    readers save ``y`` as it is). ``lowmem::ms_norm`` is this function in C++ (the eager path of the
-    compiled backends)."""
+    ``(y, None)`` where it saves ``y``, and ``z`` at its exact columns, instead (at most ``max_exact`` of them,
+    :func:`max_exact_columns`: readers save ``y`` as it is). ``lowmem::ms_norm`` is this function in C++ (the
+    eager path of the compiled backends)."""
 
     @staticmethod
     def forward(
-        ctx, x, gamma, beta, columns, dim: int, eps: float, center: bool, out_dtype: torch.dtype, offset: float, name
+        ctx, x, gamma, beta, max_exact: int, dim: int, eps: float, center: bool, out_dtype: torch.dtype, offset, name
     ):
         impl = kernels.implementation(x.device)
         affine = gamma is not None or beta is not None
         ctx.dim, ctx.center, ctx.in_dtype, ctx.offset, ctx.op = dim, center, x.dtype, offset, name
-        ctx.saves_output = columns is not None
+        scale, shift = affine_values(x.dtype, gamma, beta, offset)
+        columns = impl.norm_exact_columns(scale, shift) if max_exact >= 0 else None
+        ctx.saves_output = columns is not None and columns.numel() <= max_exact
         if ctx.saves_output:
-            scale, shift = affine_values(x.dtype, gamma, beta, offset)
             y, rstd, exact = impl.norm_output_forward(x, dim, eps, center, out_dtype, scale, shift, columns)
             ctx.save_for_backward(y, rstd, gamma, beta, columns, exact)
             return y, None
         if affine:
-            y, z, rstd = impl.norm_affine_forward(
-                x, dim, eps, center, out_dtype, *affine_values(x.dtype, gamma, beta, offset)
-            )
+            y, z, rstd = impl.norm_affine_forward(x, dim, eps, center, out_dtype, scale, shift)
         else:
             z, rstd = impl.norm_forward(x, dim, eps, center, out_dtype)
         # an input that needs no gradient (the first norm on frozen embeddings) keeps no rstd: the affine's
@@ -182,7 +179,7 @@ def memory_sharing_norm(
     name: str = "memory_sharing_norm",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(y, z)``: the norm's stock output ``y = (weight + weight_offset) * z + bias`` and the affine-free ``z``
-    it saves (``y`` is ``z`` with no affine; ``None`` where it saves ``y`` itself, see :func:`output_columns`,
+    it saves (``y`` is ``z`` with no affine; ``None`` where it saves ``y`` itself, see :func:`max_exact_columns`,
     and where it saves nothing on CPU: an eval forward writes ``y`` alone). LayerNorm with ``center``, else
     RMSNorm."""
     dim = _checked_size(name, x, normalized_shape, weight, bias, eps)
@@ -196,8 +193,8 @@ def memory_sharing_norm(
     if torch.is_grad_enabled() and (
         x.requires_grad or (weight is not None and weight.requires_grad) or (bias is not None and bias.requires_grad)
     ):
-        columns = output_columns(x, weight, bias, weight_offset, dim)
-        args = (x, weight, bias, columns, dim, eps, center, out_dtype, weight_offset, name)
+        max_exact = max_exact_columns(x, weight, bias, dim)
+        args = (x, weight, bias, max_exact, dim, eps, center, out_dtype, weight_offset, name)
         if affine and kernels.autograd_in_cpp(x.device):
             return library.OPS.ms_norm.default(*args)
         out = MemorySharingNorm.apply(*args)
