@@ -65,6 +65,20 @@ def keep_freed_heap() -> bool:
 _steady_heap: bool | None = None  # whether keep_freed_heap took effect, once this process times something
 
 
+def steady_heap() -> bool | None:
+    """Whether the timings of this process ran with glibc's freed heap kept (None: it took none)."""
+    return _steady_heap
+
+
+def record_worker_run(spread: float, steady: bool) -> None:
+    """Account for timings a worker process took, in this process's busy check (the worker's reference spread,
+    measured after its timings) and machine line (whether its heap was kept)."""
+    global _timed, _worst_spread, _steady_heap
+    _timed = True
+    _worst_spread = max(_worst_spread, spread)
+    _steady_heap = steady if _steady_heap is None else _steady_heap and steady
+
+
 def interleaved_times(
     fns: dict[str, Callable[[], object]], repeats: int = 20, warmup: int = 3
 ) -> dict[str, list[float]]:

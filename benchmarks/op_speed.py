@@ -1,29 +1,35 @@
 """Low-memory ops against the stock ops they replace: forward, backward, forward+backward.
 
 Ratios are low-memory time / stock time (below 1 is faster; "eval fwd" is a forward under
-``torch.no_grad``, as validation runs it), measured in one process,
-interleaved, median of repeated runs after warm-up. The norms are affine-free, except in the
+``torch.no_grad``, as validation runs it): rounds of all of a row's functions interleaved after warm-up,
+in several fresh processes one after another, each round's ratio paired within its process, the median
+over all rounds. The norms are affine-free, except in the
 rows with a frozen affine (a weight and bias that need no gradient, as under LoRA): the affine is
 fused in the low-memory norm's kernel, stock LayerNorm applies it in its own; the low-memory norm
 saves its output, and z at the 0.25% of columns where it cannot be rebuilt from it. "bw" is the
 bandwidth a compiled kernel reaches (bytes it must read and write / its time) as a fraction of
 what ``torch.add`` reaches on tensors of the same shape and dtype. Writes the "kernels" section of ``benchmarks/RESULTS.md``.
 
-    python -m benchmarks.op_speed [--repeats N] [--quick]
+    python -m benchmarks.op_speed [--repeats N] [--processes P] [--quick]
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import json
 import math
 import statistics
+import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import interleaved_times, markdown_table, paired_ratio, write_section
+from benchmarks import common
+from benchmarks.common import interleaved_times, markdown_table, paired_ratio, reference_spread, write_section
 from lightning_lowmem import functional, kernels
 from lightning_lowmem.ops.activation_registry import GELU_2BIT, SILU_2BIT
 
@@ -111,28 +117,38 @@ def kernel_calls(name: str, x: torch.Tensor, g: torch.Tensor) -> dict[str, tuple
     }
 
 
-def measure(name: str, shape: tuple[int, ...], dtype: torch.dtype, repeats: int) -> list[object]:
+def timed_rounds(name: str, shape: tuple[int, ...], dtype: torch.dtype, repeats: int) -> dict[str, dict]:
+    """One process's interleaved rounds of a row: the times of each function ("low fwd", "stock fwd", ...,
+    "add", "kernel fwd", ...) and the bytes each compiled kernel must move."""
     low, stock = OPS[name]
     x = torch.randn(shape, dtype=dtype, requires_grad=True)
     g = torch.randn(shape, dtype=dtype)
     fns = {}
     for phase, fn in phases(low, x, g).items():
-        fns[("low", phase)] = fn
+        fns[f"low {phase}"] = fn
     for phase, fn in phases(stock, x, g).items():
-        fns[("stock", phase)] = fn
+        fns[f"stock {phase}"] = fn
     detached = x.detach()
-    fns[("add", "")] = lambda: torch.add(detached, g)  # allocates its output, like the kernels
+    fns["add"] = lambda: torch.add(detached, g)  # allocates its output, like the kernels
     calls = kernel_calls(name, detached, g)
     for phase, (fn, _) in calls.items():
-        fns[("kernel", phase)] = fn
-    samples = interleaved_times(fns, repeats=repeats)
-    t = {key: statistics.median(times) for key, times in samples.items()}
-    add_bandwidth = 3 * math.prod(shape) * x.element_size() / t[("add", "")]
+        fns[f"kernel {phase}"] = fn
+    return {"times": interleaved_times(fns, repeats=repeats), "bytes": {p: n for p, (_, n) in calls.items()}}
+
+
+def table_row(name: str, shape: tuple[int, ...], dtype: torch.dtype, runs: list[dict[str, dict]]) -> list[object]:
+    """The row from the rounds of one or more processes: ratios over all their rounds, each paired within its
+    process, and the range of the processes' own fwd+bwd ratios (on this VM a process's memory placement
+    moves a small op's ratio by up to 30%, more than the rounds within one process do)."""
+    times = {key: [t for run in runs for t in run["times"][key]] for key in runs[0]["times"]}
+    t = {key: statistics.median(values) for key, values in times.items()}
+    add_bandwidth = 3 * math.prod(shape) * dtype.itemsize / t["add"]
     ratio = {
-        phase: paired_ratio(samples[("low", phase)], samples[("stock", phase)])
+        phase: paired_ratio(times[f"low {phase}"], times[f"stock {phase}"])
         for phase in ("fwd", "bwd", "fwd+bwd", "eval fwd")
     }
-    bandwidth = {phase: nbytes / t[("kernel", phase)] / add_bandwidth for phase, (_, nbytes) in calls.items()}
+    per_process = [paired_ratio(run["times"]["low fwd+bwd"], run["times"]["stock fwd+bwd"])[0] for run in runs]
+    bandwidth = {phase: n / t[f"kernel {phase}"] / add_bandwidth for phase, n in runs[0]["bytes"].items()}
     return [
         name,
         "x".join(map(str, shape)),
@@ -140,12 +156,26 @@ def measure(name: str, shape: tuple[int, ...], dtype: torch.dtype, repeats: int)
         f"{ratio['fwd'][0]:.2f}",
         f"{ratio['bwd'][0]:.2f}",
         "**{:.2f}** ({:.2f}-{:.2f})".format(*ratio["fwd+bwd"]),
+        f"{min(per_process):.2f}-{max(per_process):.2f}",
         f"{ratio['eval fwd'][0]:.2f}",
-        f"{t[('stock', 'fwd+bwd')] * 1e3:.1f}",
-        f"{t[('low', 'fwd+bwd')] * 1e3:.1f}",
+        f"{t['stock fwd+bwd'] * 1e3:.1f}",
+        f"{t['low fwd+bwd'] * 1e3:.1f}",
         f"{bandwidth['fwd']:.2f}",
         f"{bandwidth['bwd']:.2f}",
     ]
+
+
+def rows(quick: bool) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    return [(name, shape, dtype) for name in OPS for shape in (SHAPES[:2] if quick else SHAPES) for dtype in DTYPES]
+
+
+def measure_all(quick: bool, repeats: int) -> dict[str, object]:
+    """This process's rounds of every row (the first row timed once before, thrown away: the first timing in
+    a process is slow for low-mem and stock alike, and unevenly: the thread pool starting, malloc growing
+    its heap), with the reference spread after them and whether glibc kept its heap."""
+    timed_rounds(*rows(quick)[0], repeats)
+    runs = [timed_rounds(*row, repeats) for row in rows(quick)]
+    return {"runs": runs, "spread": reference_spread(), "steady_heap": bool(common.steady_heap())}
 
 
 HEADER = [
@@ -155,6 +185,7 @@ HEADER = [
     "fwd",
     "bwd",
     "fwd+bwd (95% interval)",
+    "per process",
     "eval fwd",
     "stock fwd+bwd ms",
     "low-mem fwd+bwd ms",
@@ -165,28 +196,39 @@ HEADER = [
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=15)
-    parser.add_argument("--quick", action="store_true", help="first two shapes only, no RESULTS.md")
+    parser.add_argument("--repeats", type=int, default=15, help="interleaved rounds in each process")
+    parser.add_argument("--processes", type=int, default=3, help="fresh processes taking the rounds, one after another")
+    parser.add_argument("--quick", action="store_true", help="first two shapes only, in this process, no RESULTS.md")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # prints its rounds as JSON
     args = parser.parse_args()
+    if args.worker:
+        print(json.dumps(measure_all(args.quick, args.repeats)))
+        return
     active = kernels.backend("cpu")
-    print(f"backend: {active}, threads: {torch.get_num_threads()}")
-    # the first timing in a process is slow for low-mem and stock alike, and unevenly (the thread pool
-    # starting, malloc growing its heap): a throwaway measurement of the first row comes first
-    measure(next(iter(OPS)), SHAPES[0], DTYPES[0], args.repeats)
-    rows = []
-    for name in OPS:
-        for shape in SHAPES[:2] if args.quick else SHAPES:
-            for dtype in DTYPES:
-                rows.append(measure(name, shape, dtype, args.repeats))
-                print(" | ".join(rows[-1]), flush=True)
-    table = markdown_table(HEADER, rows)
+    print(f"backend: {active}, threads: {torch.get_num_threads()}, processes: {1 if args.quick else args.processes}")
+    if args.quick:
+        measured = [measure_all(True, args.repeats)]
+    else:
+        worker = [sys.executable, "-m", "benchmarks.op_speed", "--worker", "--repeats", str(args.repeats)]
+        measured = []
+        for process in range(args.processes):
+            print(f"process {process + 1} of {args.processes} ...", flush=True)
+            done = subprocess.run(worker, capture_output=True, text=True, check=True, cwd=Path(__file__).parents[1])
+            measured.append(json.loads(done.stdout.splitlines()[-1]))
+            common.record_worker_run(measured[-1]["spread"], measured[-1]["steady_heap"])
+    table_rows = []
+    for index, row in enumerate(rows(args.quick)):
+        table_rows.append(table_row(*row, [run["runs"][index] for run in measured]))
+        print(" | ".join(table_rows[-1]), flush=True)
+    table = markdown_table(HEADER, table_rows)
     print(table)
     if args.quick:
         return
     body = (
         f"### Compiled kernels (backend `{active}`)\n\n"
         "Time ratios low-memory / stock (below 1 = faster; targets: fwd+bwd <= 1.0): the median of the "
-        f"per-round ratios of {args.repeats} interleaved rounds, fwd+bwd with its 95% bootstrap interval (how far "
+        f"per-round ratios of {args.repeats} interleaved rounds in each of {args.processes} fresh processes, fwd+bwd "
+        "with its 95% bootstrap interval and the range of the processes' own medians (how far "
         'this machine\'s noise lets the ratio be read); times in ms are medians. "bw": bytes the compiled kernel must move / its time, as a fraction of the bandwidth '
         "`torch.add` reaches on the same shape and dtype (the forward activation kernel computes the "
         "codes only; the op adds the stock activation). The norms are affine-free except in the rows with a "
@@ -194,7 +236,9 @@ def main() -> None:
         "of the columns, as in pretrained norms): there the low-memory norm saves its output, which its readers "
         "save too, and `z` exactly at those columns; its backward rebuilds `z` from the output.\n\n" + table
     )
-    write_section("kernels", body, f"python -m benchmarks.op_speed --repeats {args.repeats}")
+    write_section(
+        "kernels", body, f"python -m benchmarks.op_speed --repeats {args.repeats} --processes {args.processes}"
+    )
 
 
 if __name__ == "__main__":

@@ -96,6 +96,37 @@ def test_quiet_timings_are_stamped_with_capability_and_load(tmp_path, monkeypatc
     assert "load 0.12 at start, reference spread 2.1%" in path.read_text()
 
 
+def test_a_busy_worker_process_taints_the_run_and_its_heap_setting_is_stamped(tmp_path, monkeypatch, capsys):
+    """op_speed times in fresh worker processes: their reference spreads count in the busy check of the process
+    writing the section, and its machine line says whether their glibc heap was kept."""
+    from benchmarks import common
+
+    if common.torch.cuda.is_available():
+        pytest.skip("GPU timings are not checked for CPU load")
+    path = _results(tmp_path)
+    monkeypatch.setattr(common, "_timed", False)
+    monkeypatch.setattr(common, "_steady_heap", None)
+    monkeypatch.setattr(common, "LOAD_AT_START", 0.1)
+    monkeypatch.setattr(common, "reference_spread", lambda: 0.05)  # quiet when the section is written
+    common.record_worker_run(0.08, True)
+    assert common.write_section("kernels", "| table |", "python -m benchmarks.op_speed", path)
+    assert "reference spread 8.0%, glibc heap kept" in path.read_text()
+    common.record_worker_run(0.9, True)  # busy while the second worker timed
+    assert not common.write_section("kernels", "| table 2 |", "python -m benchmarks.op_speed", path)
+    assert "spread is 90%" in capsys.readouterr().err and "| table" not in path.read_text()  # as the run found it
+
+
+def test_the_glibc_heap_is_kept_once_a_process_times_something(monkeypatch):
+    from benchmarks import common
+
+    monkeypatch.setattr(common, "_steady_heap", None)
+    kept = []
+    monkeypatch.setattr(common, "keep_freed_heap", lambda: kept.append(True) or True)
+    common.interleaved_median({"a": lambda: None}, repeats=1, warmup=0)
+    common.interleaved_median({"a": lambda: None}, repeats=1, warmup=0)
+    assert kept == [True] and common.steady_heap() is True
+
+
 def test_cpu_model_names_the_cpu_not_the_architecture(tmp_path):
     from benchmarks import common
 
