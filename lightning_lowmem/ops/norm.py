@@ -85,7 +85,17 @@ class MemorySharingNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx, x, gamma, beta, max_exact: int, dim: int, eps: float, center: bool, out_dtype: torch.dtype, offset, name
+        ctx,
+        x,
+        gamma,
+        beta,
+        max_exact: int,
+        dim: int,
+        eps: float,
+        center: bool,
+        out_dtype: torch.dtype,
+        offset: float,
+        name: str,
     ):
         impl = kernels.implementation(x.device)
         affine = gamma is not None or beta is not None
