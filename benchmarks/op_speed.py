@@ -28,8 +28,15 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from benchmarks import common
-from benchmarks.common import interleaved_times, markdown_table, paired_ratio, reference_spread, write_section
+from benchmarks.common import (
+    interleaved_times,
+    markdown_table,
+    paired_ratio,
+    record_worker_run,
+    reference_spread,
+    steady_heap,
+    write_section,
+)
 from lightning_lowmem import functional, kernels
 from lightning_lowmem.ops.activation_registry import GELU_2BIT, SILU_2BIT
 
@@ -175,7 +182,7 @@ def measure_all(quick: bool, repeats: int) -> dict[str, object]:
     its heap), with the reference spread after them and whether glibc kept its heap."""
     timed_rounds(*rows(quick)[0], repeats)
     runs = [timed_rounds(*row, repeats) for row in rows(quick)]
-    return {"runs": runs, "spread": reference_spread(), "steady_heap": bool(common.steady_heap())}
+    return {"runs": runs, "spread": reference_spread(), "steady_heap": bool(steady_heap())}
 
 
 HEADER = [
@@ -215,7 +222,7 @@ def main() -> None:
             print(f"process {process + 1} of {args.processes} ...", flush=True)
             done = subprocess.run(worker, capture_output=True, text=True, check=True, cwd=Path(__file__).parents[1])
             measured.append(json.loads(done.stdout.splitlines()[-1]))
-            common.record_worker_run(measured[-1]["spread"], measured[-1]["steady_heap"])
+            record_worker_run(measured[-1]["spread"], measured[-1]["steady_heap"])
     table_rows = []
     for index, row in enumerate(rows(args.quick)):
         table_rows.append(table_row(*row, [run["runs"][index] for run in measured]))

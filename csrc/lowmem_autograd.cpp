@@ -191,7 +191,8 @@ std::tuple<at::Tensor, at::Tensor> ms_norm(const at::Tensor& x, const OptionalTe
                                            double eps, bool center, at::ScalarType out_dtype, double offset,
                                            c10::string_view name) {
   TORCH_CHECK_VALUE(gamma.has_value() || beta.has_value(), name, ": lowmem::ms_norm needs a weight or a bias");
-  variable_list out = MemorySharingNorm::apply(x, gamma, beta, max_exact_columns, dim, eps, center, out_dtype, offset, name);
+  variable_list out =
+      MemorySharingNorm::apply(x, gamma, beta, max_exact_columns, dim, eps, center, out_dtype, offset, name);
   return {out[0], out.size() > 1 ? out[1] : at::Tensor()};  // no z (None) where the norm saved y
 }
 
