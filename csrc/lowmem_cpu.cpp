@@ -220,31 +220,44 @@ void act_codes_vectorized(const T* x, int64_t numel, const float* thresholds, ui
 
 // F.silu(x) of fp32 x, bit for bit, and its codes in one pass over x. The output repeats ATen's own SiLU
 // kernel exactly: the same tasks (parallel_for over the elements with ATen's grain), in each the same
-// expression on pairs of vectors and std::exp on the task's tail. The codes go by blocks that follow it
-// while x is in cache, over ranges cut at multiples of 64 elements so that no two tasks share a byte.
+// expression on pairs of vectors and std::exp on the task's tail. A task whose bounds are multiples of 64
+// elements (whole bytes and words of codes) packs the codes of each pair in the SiLU's own loop: their
+// compares then overlap the loop's memory traffic (a pass of its own over x in cache cost 12-20% more,
+// AMD EPYC). Other tasks pack by blocks that follow the SiLU while x is in cache, over ranges cut at
+// multiples of 64 elements so that no two tasks share a byte.
 template <int kBits>
 void silu_codes_kernel(const float* x, int64_t numel, const float* thresholds, float* y, uint8_t* packed) {
   using Vec = Vectorized<float>;
   constexpr int64_t kPair = 2 * Vec::size(), kBlock = 8192;
   const Vec one(1.0f);
+  const auto byte_of = [&](int64_t i) { return packed + i * kBits / 8; };
   at::parallel_for(0, numel, at::internal::GRAIN_SIZE, [&](int64_t begin, int64_t end) {
     const VecCodes<kBits> codes_of(thresholds);
     const int64_t vector_end = begin + (end - begin) / kPair * kPair;
-    auto silu_until = [&, i = begin](int64_t stop) mutable {
+    auto silu_until = [&, i = begin](int64_t stop, auto with_codes) mutable {
       for (; i < std::min(stop, vector_end); i += kPair) {
         const Vec x0 = Vec::loadu(x + i), x1 = Vec::loadu(x + i + Vec::size());
         (x0 / (one + x0.neg().exp())).store(y + i);
         (x1 / (one + x1.neg().exp())).store(y + i + Vec::size());
+        if constexpr (decltype(with_codes)::value) {
+          codes_of(x0, byte_of(i));
+          codes_of(x1, byte_of(i + Vec::size()));
+        }
       }
       for (; i < std::min(stop, end); ++i) y[i] = x[i] / (1.0f + std::exp(-x[i]));
     };
+    if (begin % 64 == 0 && (end % 64 == 0 || end == numel)) {
+      silu_until(end, std::true_type());
+      codes_range<kBits>(x, vector_end, end, codes_of, thresholds, packed);
+      return;
+    }
     const int64_t codes_begin = begin / 64 * 64, codes_end = end == numel ? numel : end / 64 * 64;
     for (int64_t from = codes_begin; from < codes_end; from += kBlock) {
       const int64_t to = std::min(codes_end, from + kBlock);
-      silu_until(to);
+      silu_until(to, std::false_type());
       codes_range<kBits>(x, from, to, codes_of, thresholds, packed);
     }
-    silu_until(end);
+    silu_until(end, std::false_type());
   });
 }
 

@@ -56,8 +56,10 @@ def test_codes_and_backward_match_reference_bit_for_bit(kernel_backend, table, d
         assert got.dtype == dtype and torch.equal(got, torch_ops.act_backward(g, packed, step.levels)), n
 
 
-# around ATen's parallel grain (32768 elements per task) and a task's vector tail, in one and two threads
-FORWARD_SIZES = [1, 7, 63, 64, 65, 1000, 32767, 32768, 32769, 65537, 3 * 32768 + 17, 8 * 197 * 768 + 5]
+# around ATen's parallel grain (32768 elements per task) and a task's vector tail, in one and two threads; two
+# threads split 8 * 197 * 768 at a multiple of 64 elements (the codes packed in the SiLU's loop) and the sizes
+# from 65537 on elsewhere (the codes packed by blocks)
+FORWARD_SIZES = [1, 7, 63, 64, 65, 1000, 32767, 32768, 32769, 65537, 3 * 32768 + 17, 8 * 197 * 768, 8 * 197 * 768 + 5]
 
 
 @pytest.mark.parametrize("kind", torch_ops.GATED_KINDS)
