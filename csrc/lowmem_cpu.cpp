@@ -116,9 +116,11 @@ class VecLevels {
 };
 
 // The packed codes of Vectorized<float>::size() elements (W * kBits bits, element e at bit e * kBits):
-// a lane's code is how many thresholds it exceeds, counted from compare masks. One bit: the compare
-// mask is the packed codes. AVX512: codes narrowed to bytes, then packed as pack_word does; AVX2: each
-// lane shifted to its bit offset, the lanes ORed into one word.
+// a lane's code is how many thresholds it exceeds. One bit: the compare mask is the packed codes. Two
+// bits: the three compare masks counted. Four bits: a binary search of the ascending thresholds, four
+// compares with a threshold looked up per lane, not fifteen (4-bit SiLU fp32 fwd+bwd 1.13-1.2x stock's
+// against 1.23-1.3x counting, AMD EPYC). AVX512: codes narrowed to bytes, then packed as pack_word does; AVX2: each lane shifted to its
+// bit offset, the lanes ORed into one word.
 template <int kBits>
 class VecCodes {
  public:
@@ -127,6 +129,18 @@ class VecCodes {
 
   explicit VecCodes(const float* thresholds) {
     for (int t = 0; t < Packing<kBits>::kThresholds; ++t) thresholds_[t] = Vectorized<float>(thresholds[t]);
+    if constexpr (kBits == 4) {
+      for (int k = 0; k < 3; ++k) {  // step 4 >> k of the search: lane `count` holds threshold count + step - 1
+        alignas(64) float probe[16];
+        for (int i = 0; i < 16; ++i) probe[i] = thresholds[std::min(i + (4 >> k) - 1, 14)];
+#if defined(CPU_CAPABILITY_AVX512)
+        probes_[k] = _mm512_load_ps(probe);
+#else
+        probes_low_[k] = _mm256_load_ps(probe);
+        probes_high_[k] = _mm256_load_ps(probe + 8);
+#endif
+      }
+    }
 #if !defined(CPU_CAPABILITY_AVX512)
     alignas(32) int32_t shift[W];
     for (int lane = 0; lane < W; ++lane) shift[lane] = lane * kBits % 32;
@@ -141,9 +155,17 @@ class VecCodes {
       bits = _mm512_cmp_ps_mask(x, thresholds_[0], _CMP_GT_OQ);
     } else {
       __m512i count = _mm512_setzero_si512();
-      const __m512i one = _mm512_set1_epi32(1);
-      for (int t = 0; t < Packing<kBits>::kThresholds; ++t) {
-        count = _mm512_mask_add_epi32(count, _mm512_cmp_ps_mask(x, thresholds_[t], _CMP_GT_OQ), count, one);
+      if constexpr (kBits == 4) {  // steps 8 (threshold 7 for every lane), 4, 2, 1
+        count = _mm512_maskz_mov_epi32(_mm512_cmp_ps_mask(x, thresholds_[7], _CMP_GT_OQ), _mm512_set1_epi32(8));
+        for (int k = 0; k < 3; ++k) {
+          const __mmask16 above = _mm512_cmp_ps_mask(x, _mm512_permutexvar_ps(count, probes_[k]), _CMP_GT_OQ);
+          count = _mm512_mask_add_epi32(count, above, count, _mm512_set1_epi32(4 >> k));
+        }
+      } else {
+        for (int t = 0; t < Packing<kBits>::kThresholds; ++t) {
+          count = _mm512_mask_add_epi32(count, _mm512_cmp_ps_mask(x, thresholds_[t], _CMP_GT_OQ), count,
+                                        _mm512_set1_epi32(1));
+        }
       }
       // one code per byte, then each word of 8/kBits bytes packed into its low byte (as pack_word)
       const __m128i codes = _mm512_cvtepi32_epi8(count);
@@ -159,9 +181,20 @@ class VecCodes {
     if constexpr (kBits == 1) {
       bits = static_cast<uint32_t>(_mm256_movemask_ps(_mm256_cmp_ps(x, thresholds_[0], _CMP_GT_OQ)));
     } else {
-      __m256i count = _mm256_setzero_si256();  // minus the all-ones compare masks
-      for (int t = 0; t < Packing<kBits>::kThresholds; ++t) {
-        count = _mm256_sub_epi32(count, _mm256_castps_si256(_mm256_cmp_ps(x, thresholds_[t], _CMP_GT_OQ)));
+      __m256i count = _mm256_setzero_si256();
+      if constexpr (kBits == 4) {  // steps 8 (threshold 7 for every lane), 4, 2, 1
+        count = _mm256_and_si256(_mm256_castps_si256(_mm256_cmp_ps(x, thresholds_[7], _CMP_GT_OQ)), _mm256_set1_epi32(8));
+        for (int k = 0; k < 3; ++k) {
+          const __m256 in_high = _mm256_castsi256_ps(_mm256_slli_epi32(count, 28));  // bit 3 of the lane's index
+          const __m256 threshold = _mm256_blendv_ps(_mm256_permutevar8x32_ps(probes_low_[k], count),
+                                                    _mm256_permutevar8x32_ps(probes_high_[k], count), in_high);
+          const __m256i above = _mm256_castps_si256(_mm256_cmp_ps(x, threshold, _CMP_GT_OQ));
+          count = _mm256_add_epi32(count, _mm256_and_si256(above, _mm256_set1_epi32(4 >> k)));
+        }
+      } else {
+        for (int t = 0; t < Packing<kBits>::kThresholds; ++t) {  // minus the all-ones compare masks
+          count = _mm256_sub_epi32(count, _mm256_castps_si256(_mm256_cmp_ps(x, thresholds_[t], _CMP_GT_OQ)));
+        }
       }
       const __m256i placed = _mm256_sllv_epi32(count, shift_);
       __m128i word = _mm_or_si128(_mm256_castsi256_si128(placed), _mm256_extracti128_si256(placed, 1));
@@ -175,7 +208,10 @@ class VecCodes {
 
  private:
   Vectorized<float> thresholds_[Packing<kBits>::kThresholds];
-#if !defined(CPU_CAPABILITY_AVX512)
+#if defined(CPU_CAPABILITY_AVX512)
+  __m512 probes_[3];  // 4 bits: the thresholds each lane compares with at steps 4, 2 and 1 of the search
+#else
+  __m256 probes_low_[3], probes_high_[3];
   __m256i shift_;
 #endif
 };

@@ -72,6 +72,24 @@ def test_compiled_matches_reference_for_each_k(kernel_backend, bits, kind, dtype
         assert torch.equal(ext.act_backward(g, packed, step.levels), torch_ops.act_backward(g, packed_ref, step.levels))
 
 
+# Ascending with ties, one to fifteen thresholds: the compiled kernels may search a table (4 bits) where the
+# reference counts, and must agree on ties, on the thresholds themselves, next to them, and on nan and inf.
+TIED_TABLES = [(0.5,), (-1.0, -1.0), (-1.0, 0.0, 0.0), (-2.0, -1.0, -1.0, 0.0, 0.0, 0.0, 3.0)]
+TIED_TABLES.append((-3.0, -1.0, -1.0, -1.0, 0.0, 0.0, 0.5, 1.0, 1.0, 2.0, 2.0, 2.0, 3.0, 3.0, 4.0))
+
+
+@pytest.mark.parametrize("thresholds", TIED_TABLES, ids=lambda t: f"{len(t)}")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_codes_of_tied_thresholds_and_edge_values(kernel_backend, thresholds, dtype):
+    t = torch.tensor(thresholds, dtype=torch.float32)
+    edges = torch.cat([t, t.nextafter(torch.tensor(math.inf)), t.nextafter(torch.tensor(-math.inf))])
+    edges = torch.cat([edges, torch.tensor([math.nan, math.inf, -math.inf, 0.0, -0.0, 1e30, -1e30])])
+    for n in (edges.numel(), 4099):  # the scalar tail alone, then whole vectors and a tail
+        x = torch.cat([edges, torch.randn(n, dtype=torch.float64) * 3])[:n].to(dtype)
+        got = kernel_backend.module.act_codes(x.to(kernel_backend.device), thresholds).cpu()
+        assert torch.equal(got, torch_ops.act_codes(x, thresholds)), n
+
+
 def test_compiled_rejects_bad_tables(kernel_backend):
     ext, x = kernel_backend.module, torch.randn(4, 33, device=kernel_backend.device)
     with pytest.raises(ValueError, match="thresholds"):
