@@ -38,7 +38,7 @@ from benchmarks.common import (
     write_section,
 )
 from lightning_lowmem import functional, kernels
-from lightning_lowmem.ops.activation_registry import GELU_2BIT, SILU_2BIT
+from lightning_lowmem.ops.activation_registry import ACTIVATIONS
 
 SHAPES = ((8, 197, 3072), (8, 197, 768), (2, 2048, 11008), (2, 2048, 4096))
 DTYPES = (torch.float32, torch.bfloat16)
@@ -59,9 +59,23 @@ def ms_layer_norm_frozen_affine(x: torch.Tensor) -> torch.Tensor:
     return functional.ms_layer_norm(x, x.shape[-1:], weight=weight, bias=bias)
 
 
+STEP_ROWS = {  # name -> (activation, bits): the step-derivative activations, at the paper's 2 bits and at 1 and 4
+    "ReGELU2 / gelu": ("gelu", 2),
+    "GELU 1-bit / gelu": ("gelu", 1),
+    "GELU 4-bit / gelu": ("gelu", 4),
+    "ReSiLU2 / silu": ("silu", 2),
+    "SiLU 1-bit / silu": ("silu", 1),
+    "SiLU 4-bit / silu": ("silu", 4),
+}
+
 OPS: dict[str, tuple[Callable, Callable]] = {  # name -> (low-memory op, stock op)
-    "ReGELU2 / gelu": (functional.regelu2, F.gelu),
-    "ReSiLU2 / silu": (functional.resilu2, F.silu),
+    **{
+        name: (
+            functools.partial(functional.step_activation, activation=activation, bits=bits),
+            ACTIVATIONS[activation].stock,
+        )
+        for name, (activation, bits) in STEP_ROWS.items()
+    },
     "MS-LN / layer_norm": (
         lambda x: functional.ms_layer_norm(x, x.shape[-1:]),
         lambda x: F.layer_norm(x, x.shape[-1:]),
@@ -94,8 +108,8 @@ def kernel_calls(name: str, x: torch.Tensor, g: torch.Tensor) -> dict[str, tuple
     impl = kernels.implementation(x.device)
     n, size, dim = x.numel(), x.element_size(), x.shape[-1]
     rows = n // dim
-    if name.startswith(("ReGELU2", "ReSiLU2")):
-        step = GELU_2BIT if name.startswith("ReGELU2") else SILU_2BIT
+    if name in STEP_ROWS:
+        step = ACTIVATIONS[STEP_ROWS[name][0]].step_derivative(STEP_ROWS[name][1])
         packed = impl.act_codes(x, step.thresholds)
         packed_bytes = packed.numel()
         return {
