@@ -109,7 +109,8 @@ def kernel_calls(name: str, x: torch.Tensor, g: torch.Tensor) -> dict[str, tuple
     n, size, dim = x.numel(), x.element_size(), x.shape[-1]
     rows = n // dim
     if name in STEP_ROWS:
-        step = ACTIVATIONS[STEP_ROWS[name][0]].step_derivative(STEP_ROWS[name][1])
+        activation, bits = STEP_ROWS[name]
+        step = ACTIVATIONS[activation].step_derivative(bits)
         packed = impl.act_codes(x, step.thresholds)
         packed_bytes = packed.numel()
         return {

@@ -119,8 +119,8 @@ class VecLevels {
 // a lane's code is how many thresholds it exceeds. One bit: the compare mask is the packed codes. Two
 // bits: the three compare masks counted. Four bits: a binary search of the ascending thresholds, four
 // compares with a threshold looked up per lane, not fifteen (4-bit SiLU fp32 fwd+bwd 1.13-1.2x stock's
-// against 1.23-1.3x counting, AMD EPYC). AVX512: codes narrowed to bytes, then packed as pack_word does; AVX2: each lane shifted to its
-// bit offset, the lanes ORed into one word.
+// against 1.23-1.3x counting, AMD EPYC). AVX512: codes narrowed to bytes, then packed as pack_word does;
+// AVX2: each lane shifted to its bit offset, the lanes ORed into one word.
 template <int kBits>
 class VecCodes {
  public:
@@ -183,7 +183,8 @@ class VecCodes {
     } else {
       __m256i count = _mm256_setzero_si256();
       if constexpr (kBits == 4) {  // steps 8 (threshold 7 for every lane), 4, 2, 1
-        count = _mm256_and_si256(_mm256_castps_si256(_mm256_cmp_ps(x, thresholds_[7], _CMP_GT_OQ)), _mm256_set1_epi32(8));
+        const __m256i above_7 = _mm256_castps_si256(_mm256_cmp_ps(x, thresholds_[7], _CMP_GT_OQ));
+        count = _mm256_and_si256(above_7, _mm256_set1_epi32(8));
         for (int k = 0; k < 3; ++k) {
           const __m256 in_high = _mm256_castsi256_ps(_mm256_slli_epi32(count, 28));  // bit 3 of the lane's index
           const __m256 threshold = _mm256_blendv_ps(_mm256_permutevar8x32_ps(probes_low_[k], count),

@@ -84,7 +84,7 @@ def test_codes_of_tied_thresholds_and_edge_values(kernel_backend, thresholds, dt
     t = torch.tensor(thresholds, dtype=torch.float32)
     edges = torch.cat([t, t.nextafter(torch.tensor(math.inf)), t.nextafter(torch.tensor(-math.inf))])
     edges = torch.cat([edges, torch.tensor([math.nan, math.inf, -math.inf, 0.0, -0.0, 1e30, -1e30])])
-    for n in (edges.numel(), 4099):  # the scalar tail alone, then whole vectors and a tail
+    for n in (edges.numel(), 4099):  # the edges alone, then among random values over several blocks
         x = torch.cat([edges, torch.randn(n, dtype=torch.float64) * 3])[:n].to(dtype)
         got = kernel_backend.module.act_codes(x.to(kernel_backend.device), thresholds).cpu()
         assert torch.equal(got, torch_ops.act_codes(x, thresholds)), n
