@@ -92,13 +92,18 @@ at::Tensor norm_output_backward(const at::Tensor& grad, const at::Tensor& y, con
   return op.call(grad, y, rstd, scale, shift, columns, exact, dim, center, dtype);
 }
 
+// `t` in dtype `acc`, contiguous: `t` itself where it is (no operator called: this runs on every call).
+at::Tensor contiguous_in(const at::Tensor& t, at::ScalarType acc) {
+  return t.scalar_type() == acc && t.is_contiguous() ? t : t.to(acc).contiguous();
+}
+
 // ops.norm.affine_values: gamma + offset and beta in the input's accumulate type.
 std::tuple<OptionalTensor, OptionalTensor> affine_values(at::ScalarType in_dtype, const at::Tensor& gamma,
                                                          const at::Tensor& beta, double offset) {
   const at::ScalarType acc = at::toOpMathType(in_dtype);
   OptionalTensor scale, shift;
-  if (gamma.defined()) scale = affine_scale(gamma, offset).to(acc).contiguous();
-  if (beta.defined()) shift = beta.to(acc).contiguous();
+  if (gamma.defined()) scale = contiguous_in(affine_scale(gamma, offset), acc);
+  if (beta.defined()) shift = contiguous_in(beta, acc);
   return {scale, shift};
 }
 

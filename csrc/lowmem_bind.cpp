@@ -6,6 +6,7 @@
 #include <c10/util/string_view.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <optional>
 #include <vector>
@@ -198,7 +199,10 @@ at::Tensor exact_columns(const at::Tensor& scale, const at::Tensor& shift, int64
     const acc_t size = s != nullptr ? std::abs(s[k]) : acc_t(1);
     if (size == acc_t(0) || (b != nullptr && std::abs(b[k]) > size)) columns.push_back(k);
   }
-  return at::tensor(columns, at::kLong);
+  // one allocation, no operator (at::tensor calls several): this runs on every forward of a frozen norm
+  at::Tensor out = at::empty({static_cast<int64_t>(columns.size())}, at::kLong);
+  std::copy(columns.begin(), columns.end(), out.mutable_data_ptr<int64_t>());
+  return out;
 }
 
 at::Tensor norm_exact_columns_op(const std::optional<at::Tensor>& scale, const std::optional<at::Tensor>& shift) {

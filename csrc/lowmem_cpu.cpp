@@ -896,11 +896,12 @@ void norm_output_backward(const at::Tensor& grad, const at::Tensor& y, const at:
     using out_t = scalar_t;
     using acc_t = at::opmath_type<out_t>;
     // the kernel's per-column values (a loop: ATen ops on these few values would cost more than they do)
-    std::vector<acc_t> gamma(dim, acc_t(1)), inverse(dim), shifted(dim);
+    std::vector<acc_t> values(3 * dim);  // one allocation: this runs on every backward
+    acc_t *gamma = values.data(), *inverse = gamma + dim, *shifted = inverse + dim;
     const acc_t* s = scale.defined() ? scale.const_data_ptr<acc_t>() : nullptr;
     const acc_t* b = shift.defined() ? shift.const_data_ptr<acc_t>() : nullptr;
     for (int64_t k = 0; k < dim; ++k) {
-      if (s != nullptr) gamma[k] = s[k];
+      gamma[k] = s != nullptr ? s[k] : acc_t(1);
       inverse[k] = acc_t(1) / gamma[k];
       shifted[k] = b != nullptr ? b[k] * inverse[k] : acc_t(0);
     }
@@ -908,7 +909,7 @@ void norm_output_backward(const at::Tensor& grad, const at::Tensor& y, const at:
     for (int64_t c = 0; c < columns.numel(); ++c) inverse[index[c]] = shifted[index[c]] = acc_t(0);
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad_input.scalar_type(), "norm_output_backward", [&] {
       norm_output_backward_kernel(grad.const_data_ptr<out_t>(), y.const_data_ptr<out_t>(), rstd.const_data_ptr<acc_t>(),
-                                  gamma.data(), inverse.data(), shifted.data(), index, columns.numel(),
+                                  gamma, inverse, shifted, index, columns.numel(),
                                   exact.const_data_ptr<out_t>(), rstd.numel(), dim, center,
                                   grad_input.mutable_data_ptr<scalar_t>());
     });

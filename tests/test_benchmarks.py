@@ -202,8 +202,8 @@ def test_the_gpu_benchmark_forces_a_backend_for_the_ops_of_a_device_and_gives_it
     monkeypatch.delenv(kernels.ENV_VAR, raising=False)
     cpu = torch.device("cpu")
     with gpu.forced_backend("torch", cpu):
-        assert kernels.implementation(cpu) is torch_ops and not kernels.autograd_in_cpp(cpu)
-    assert kernels.implementation(cpu) is library.OPS and kernels.autograd_in_cpp(cpu)
+        assert kernels.implementation(cpu) is torch_ops and not kernels.autograd_in_cpp(torch.empty(0, device=cpu))
+    assert kernels.implementation(cpu) is library.OPS and kernels.autograd_in_cpp(torch.empty(0, device=cpu))
     monkeypatch.setattr(kernels, "_triton_unusable", lambda device: "no Triton here")
     assert gpu.usable_backends(cpu) == ["cpp"]  # triton refused with its reason, the choice given back
     assert kernels.implementation(cpu) is library.OPS

@@ -132,8 +132,18 @@ def test_modules_and_bad_bits():
     for bad in (0, 5, 8):
         with pytest.raises(ValueError, match="bits"):
             ReGELU2(bits=bad)
+    # the ops look a plain int up as it is; a bool (True == 1), a string or None is still refused by name
+    for bad in (0, 5, 8, True, False, "2", None, 2.5):
         with pytest.raises(ValueError, match="regelu2.*bits"):
             functional.regelu2(x, bits=bad)
+        with pytest.raises(ValueError, match="step_activation.*bits"):
+            functional.step_activation(x, "silu", bits=bad)
+    torch.testing.assert_close(  # a float of a supported width is that width, as check_bits says
+        torch.autograd.grad(functional.resilu2(x, bits=2.0).sum(), x)[0],
+        torch.autograd.grad(functional.resilu2(x, bits=2).sum(), x)[0],
+        rtol=0,
+        atol=0,
+    )
 
 
 def test_surgery_and_callback_take_bits():

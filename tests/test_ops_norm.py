@@ -209,9 +209,10 @@ def test_output_dtype_is_input_dtype_without_autocast_and_autocast_dtype_with_it
 
 
 def test_autocast_dtype_is_none_when_off_and_for_device_types_autocast_does_not_know():
-    assert autocast_dtype("cpu") is None and autocast_dtype("meta") is None
+    cpu, meta = torch.empty(1), torch.empty(1, device="meta")
+    assert autocast_dtype(cpu) is None and autocast_dtype(meta) is None
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert autocast_dtype("cpu") == torch.bfloat16 and autocast_dtype("meta") is None
+        assert autocast_dtype(cpu) == torch.bfloat16 and autocast_dtype(meta) is None
 
 
 def test_non_contiguous_input():

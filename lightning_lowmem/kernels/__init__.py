@@ -148,8 +148,9 @@ def implementation(device: torch.device) -> Any:
     return _triton_module() if name == "triton" else library.OPS
 
 
-def autograd_in_cpp(device: torch.device) -> bool:
-    """Whether eager calls on ``device`` take the operators with autograd in C++ (``ms_norm``, ``affine_linear``,
-    ``step_activation``, see :mod:`.library`): where a compiled extension serves the device and nothing is
+def autograd_in_cpp(x: torch.Tensor) -> bool:
+    """Whether eager calls on ``x`` take the operators with autograd in C++ (``ms_norm``, ``affine_linear``,
+    ``step_activation``, see :mod:`.library`): where a compiled extension serves its device and nothing is
     being traced (torch.compile traces the Python autograd functions, which compute the same)."""
-    return not torch.compiler.is_compiling() and _chosen(str(device)) in _EXTENSION_OF
+    # asked on every eager call: a CPU tensor's device name comes without a device object (cold, 2 us against 9)
+    return not torch.compiler.is_compiling() and _chosen("cpu" if x.is_cpu else str(x.device)) in _EXTENSION_OF

@@ -54,7 +54,7 @@ class GatedMLPBase(nn.Module, ABC):
         return "gate" if saves_its_input(self.consumer()) else "gate_up"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        compute = autocast_dtype(x.device.type)
+        compute = autocast_dtype(x)
         if x.dtype == torch.float32 and compute is not None and not is_norm_output(x):
             # what autocast does in each projection anyway, once: gate and up (and their LoRA
             # adapters) then save one half-precision copy of x instead of one each (a

@@ -36,7 +36,7 @@ def shared_linear(
     """``F.linear(x, weight, bias)`` that saves ``norm``'s ``z`` when ``x`` is that norm's output and never
     saves a half-precision weight copy."""
     z = None if norm is None else shared_from(x, norm)
-    compute = autocast_dtype(x.device.type) if weight.is_floating_point() else None
+    compute = autocast_dtype(x) if weight.is_floating_point() else None
     if z is None and compute is None and x.dtype == weight.dtype:
         return F.linear(x, weight, bias)
     gamma, beta, offset = (None, None, 0.0) if z is None else norm.affine()

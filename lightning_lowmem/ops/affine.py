@@ -98,8 +98,4 @@ def affine_linear(
     """``F.linear(x, weight, bias)`` computed in ``dtype`` (default: the weight's) that saves ``z`` for
     backward where ``x = (gamma + offset) * z + beta`` (a memory-sharing norm's output), else ``x`` in ``dtype``."""
     args = (x, z, weight, bias, gamma, beta, dtype or weight.dtype, float(offset))
-    return (
-        library.OPS.affine_linear.default(*args)
-        if kernels.autograd_in_cpp(x.device)
-        else AffineLinearFunction.apply(*args)
-    )
+    return library.OPS.affine_linear.default(*args) if kernels.autograd_in_cpp(x) else AffineLinearFunction.apply(*args)

@@ -52,7 +52,7 @@ def affine_values(
 def writes_output_alone(x: torch.Tensor) -> bool:
     """Whether ``x``'s kernels write ``y`` alone with the affine fused (``norm_output_forward``): the CPU ones.
     The GPU ones write ``z`` and ``y`` (their ``norm_output_forward`` is the PyTorch reference)."""
-    return x.device.type == "cpu"
+    return x.is_cpu
 
 
 _NO_COLUMNS = torch.empty(0, dtype=torch.long)
@@ -68,8 +68,9 @@ def max_exact_columns(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.
     (:data:`MAX_EXACT_FRACTION` of them), or -1 where it saves ``z``: anything but an affine that needs no
     gradient on an input that does, in an eager CPU call. The norm finds the columns from the affine's values
     (``norm_exact_columns``), and saves ``z`` where there are more. See the module docstring."""
-    params = [p for p in (weight, bias) if p is not None]
-    if not params or any(p.requires_grad for p in params) or not x.requires_grad:
+    if (weight is None and bias is None) or not x.requires_grad:
+        return -1
+    if (weight is not None and weight.requires_grad) or (bias is not None and bias.requires_grad):
         return -1
     if not writes_output_alone(x) or torch.compiler.is_compiling():
         return -1
@@ -149,7 +150,7 @@ class MemorySharingNorm(torch.autograd.Function):
 
 def output_dtype(x: torch.Tensor) -> torch.dtype:
     """The input dtype, or the autocast dtype when autocast is on for ``x``'s device."""
-    compute = autocast_dtype(x.device.type) if x.dtype in _AUTOCAST_INPUTS else None
+    compute = autocast_dtype(x) if x.dtype in _AUTOCAST_INPUTS else None
     return compute or x.dtype
 
 
@@ -164,15 +165,16 @@ def _checked_size(
     """The number of elements normalized together, once the arguments are known to make sense (clear errors)."""
     check_float_tensor(name, x)
     shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
-    if not shape or x.shape[-len(shape) :] != shape or x.dim() < len(shape):
+    if not shape or x.shape[-len(shape) :] != shape:  # also where x has fewer dimensions: a shorter shape
         raise ValueError(
             f"{name}: normalized_shape {list(shape)} must match the trailing dimensions of the input, "
             f"got input of shape {list(x.shape)}"
         )
     dim = math.prod(shape)
-    for which, param in (("weight", weight), ("bias", bias)):
-        if param is not None and param.numel() != dim:
-            raise ValueError(f"{name}: {which} of shape {list(param.shape)} does not match normalized_shape")
+    if weight is not None and weight.numel() != dim:
+        raise ValueError(f"{name}: weight of shape {list(weight.shape)} does not match normalized_shape")
+    if bias is not None and bias.numel() != dim:
+        raise ValueError(f"{name}: bias of shape {list(bias.shape)} does not match normalized_shape")
     if not eps > 0:
         raise ValueError(f"{name}: eps must be positive, got {eps}")
     return dim
@@ -205,7 +207,7 @@ def memory_sharing_norm(
     ):
         max_exact = max_exact_columns(x, weight, bias, dim)
         args = (x, weight, bias, max_exact, dim, eps, center, out_dtype, weight_offset, name)
-        if affine and kernels.autograd_in_cpp(x.device):
+        if affine and kernels.autograd_in_cpp(x):
             return library.OPS.ms_norm.default(*args)
         out = MemorySharingNorm.apply(*args)
         return out if affine else (out, out)
