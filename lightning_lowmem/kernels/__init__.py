@@ -152,5 +152,5 @@ def autograd_in_cpp(x: torch.Tensor) -> bool:
     """Whether eager calls on ``x`` take the operators with autograd in C++ (``ms_norm``, ``affine_linear``,
     ``step_activation``, see :mod:`.library`): where a compiled extension serves its device and nothing is
     being traced (torch.compile traces the Python autograd functions, which compute the same)."""
-    # asked on every eager call: a CPU tensor's device name comes without a device object (cold, 2 us against 9)
+    # asked on every eager call: a CPU tensor's device name comes without making a device object and its string
     return not torch.compiler.is_compiling() and _chosen("cpu" if x.is_cpu else str(x.device)) in _EXTENSION_OF
