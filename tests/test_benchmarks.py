@@ -116,6 +116,21 @@ def test_a_busy_worker_process_taints_the_run_and_its_heap_setting_is_stamped(tm
     assert "spread is 90%" in capsys.readouterr().err and "| table" not in path.read_text()  # as the run found it
 
 
+def test_op_speed_times_the_backward_alone_on_a_graph_of_its_own_input():
+    """The retained graph of the "bwd" phase reads a copy of the input that no other timed function reads (so
+    stock's saved input is as cold as the low-memory op's saved output), and gives the gradient of fwd+bwd."""
+    import torch
+
+    from benchmarks import op_speed
+
+    x, g = torch.randn(4, 8, requires_grad=True), torch.randn(4, 8)
+    inputs = []
+    fns = op_speed.phases(lambda t: inputs.append(t) or torch.nn.functional.gelu(t), x, g)
+    assert inputs[0] is not x and inputs[0].data_ptr() != x.data_ptr() and inputs[0].requires_grad
+    torch.testing.assert_close(fns["bwd"]()[0], fns["fwd+bwd"]()[0], rtol=0, atol=0)
+    assert inputs[-1] is x  # fwd+bwd runs on the input itself
+
+
 def test_the_glibc_heap_is_kept_once_a_process_times_something(monkeypatch):
     from benchmarks import common
 
