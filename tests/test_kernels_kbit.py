@@ -132,7 +132,7 @@ def test_modules_and_bad_bits():
     for bad in (0, 5, 8):
         with pytest.raises(ValueError, match="bits"):
             ReGELU2(bits=bad)
-    # the ops look a plain int up as it is; a bool (True == 1), a string or None is still refused by name
+    # the ops refuse by name what check_bits refuses: a bool (True == 1 as a dict key), a string, None
     for bad in (0, 5, 8, True, False, "2", None, 2.5):
         with pytest.raises(ValueError, match="regelu2.*bits"):
             functional.regelu2(x, bits=bad)
