@@ -210,8 +210,14 @@ def write_section(key: str, body: str, command: str, path: Path = RESULTS) -> bo
     A section with timings is refused, with the reason printed, when the machine was busy: numbers
     taken under load do not reproduce. A benchmark that writes its section as it goes (after every
     row) is judged by the worst check of its run: once one check finds the machine busy, the section
-    goes back to what the run found and stays so. Returns whether the section was written."""
+    goes back to what the run found and stays so. Under ``ATEN_CPU_CAPABILITY`` the section is
+    ``key-<capability>``: the native code's numbers stay. Returns whether the section was written."""
     global _worst_spread
+    forced = os.environ.get("ATEN_CPU_CAPABILITY")
+    if forced:  # ATen told to run other code (AVX2 on an AVX512 machine): a section of its own, beside the native one
+        key, command = f"{key}-{forced.lower()}", f"ATEN_CPU_CAPABILITY={forced} {command}"
+        heading, _, rest = body.strip().partition("\n")
+        body = f"{heading} (ATEN_CPU_CAPABILITY={forced})\n{rest}" if heading.startswith("#") else body
     if (path, key) not in _found:
         found = _section(key).search(path.read_text()) if path.exists() else None
         _found[(path, key)] = found.group(0) if found else None

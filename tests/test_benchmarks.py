@@ -46,12 +46,23 @@ def _results(tmp_path: Path) -> Path:
     return path
 
 
-def test_timings_taken_on_a_busy_machine_are_not_written(tmp_path, monkeypatch, capsys):
+def _timed_run(monkeypatch, load: float, spread: float):
+    """``benchmarks.common`` as a CPU benchmark run that took timings sees it: at this load, with this reference
+    spread, on the native CPU code (its sections keep their keys; GPU timings are not checked)."""
     from benchmarks import common
 
-    path = _results(tmp_path)
+    if common.torch.cuda.is_available():
+        pytest.skip("GPU timings are not checked for CPU load")
     monkeypatch.setattr(common, "_timed", True)
-    monkeypatch.setattr(common, "LOAD_AT_START", 1.7)
+    monkeypatch.setattr(common, "LOAD_AT_START", load)
+    monkeypatch.setattr(common, "reference_spread", lambda: spread)
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    return common
+
+
+def test_timings_taken_on_a_busy_machine_are_not_written(tmp_path, monkeypatch, capsys):
+    common = _timed_run(monkeypatch, load=1.7, spread=0.05)
+    path = _results(tmp_path)
     assert not common.write_section("kernels", "| table |", "python -m benchmarks.op_speed", path)
     assert path.read_text() == "# Benchmark results\n"
     assert "1-minute load average was 1.70" in capsys.readouterr().err
@@ -64,15 +75,10 @@ def test_timings_taken_on_a_busy_machine_are_not_written(tmp_path, monkeypatch, 
 def test_a_run_that_turns_busy_takes_back_the_rows_it_wrote(tmp_path, monkeypatch, capsys):
     """A benchmark writing its section after every row: once a check finds the machine busy, the section is
     what the run found, and stays so when the machine is quiet again (the run's rows are no better)."""
-    from benchmarks import common
-
-    if common.torch.cuda.is_available():
-        pytest.skip("GPU timings are not checked for CPU load")
+    common = _timed_run(monkeypatch, load=0.1, spread=0.1)
     path = _results(tmp_path)
     path.write_text(path.read_text() + "\n<!-- surgery:begin -->\nlast quiet run\n<!-- surgery:end -->\n")
     found = path.read_text()
-    monkeypatch.setattr(common, "_timed", True)
-    monkeypatch.setattr(common, "LOAD_AT_START", 0.1)
     for spread, written in ((0.1, True), (4.3, False), (0.1, False)):
         monkeypatch.setattr(common, "reference_spread", lambda spread=spread: spread)
         assert common.write_section("surgery", "| row |", "python benchmarks/surgery.py", path) == written
@@ -81,19 +87,28 @@ def test_a_run_that_turns_busy_takes_back_the_rows_it_wrote(tmp_path, monkeypatc
 
 
 def test_quiet_timings_are_stamped_with_capability_and_load(tmp_path, monkeypatch):
-    from benchmarks import common
-
-    if common.torch.cuda.is_available():
-        pytest.skip("GPU timings are not checked for CPU load")
+    common = _timed_run(monkeypatch, load=0.12, spread=0.021)
     path = _results(tmp_path)
-    monkeypatch.setattr(common, "_timed", True)
-    monkeypatch.setattr(common, "LOAD_AT_START", 0.12)
-    monkeypatch.setattr(common, "reference_spread", lambda: 0.021)
     assert common.write_section("kernels", "| table |", "python -m benchmarks.op_speed", path)
     capability = common.torch.backends.cpu.get_cpu_capability()
     assert f"ATen CPU capability {capability}" in path.read_text()
     assert f"CPU ({common.os.cpu_count()} cores), {common.cpu_model()}, " in path.read_text()
     assert "load 0.12 at start, reference spread 2.1%" in path.read_text()
+
+
+def test_a_forced_capability_writes_a_section_of_its_own(tmp_path, monkeypatch):
+    """Timings under ATEN_CPU_CAPABILITY=avx2 sit beside the native code's, never over them."""
+    common = _timed_run(monkeypatch, load=0.1, spread=0.05)
+    path = _results(tmp_path)
+    assert common.write_section("kernels", "### Kernels\n\n| native |", "python -m benchmarks.op_speed", path)
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    assert common.write_section("kernels", "### Kernels\n\n| avx2 |", "python -m benchmarks.op_speed", path)
+    text = path.read_text()
+    native = text[text.index("<!-- kernels:begin -->") : text.index("<!-- kernels:end -->")]
+    forced = text[text.index("<!-- kernels-avx2:begin -->") : text.index("<!-- kernels-avx2:end -->")]
+    assert "| native |" in native and "| avx2 |" not in native and "ATEN_CPU_CAPABILITY" not in native
+    assert forced.splitlines()[1] == "### Kernels (ATEN_CPU_CAPABILITY=avx2)" and "| avx2 |" in forced
+    assert "Command: `ATEN_CPU_CAPABILITY=avx2 python -m benchmarks.op_speed`" in forced
 
 
 def test_a_busy_worker_process_taints_the_run_and_its_heap_setting_is_stamped(tmp_path, monkeypatch, capsys):
