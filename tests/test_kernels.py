@@ -24,8 +24,10 @@ SIZES = {
     "cuda": [0, 1, 3, 4, 5, 1023, 1025, 200_003],
     "triton": [0, 1, 3, 4, 5, 1023, 1025, 3 * 1024 + 7],
 }
-# Rows: none, of one element, odd, non-power-of-two, longer than a block (4096 for C++ and Triton), LLaMA's 11008.
-NORM_SHAPES = [(0, 8), (1, 1), (3, 7), (5, 768), (2, 3, 1001), (9, 33), (2, 4099), (1, 11008)]
+# Rows: none, of one element, odd, non-power-of-two, longer than a block (4096 for C++ and Triton), LLaMA's 11008;
+# five rows of 768 and of 4099 elements: the C++ frozen-norm backward takes fp32 rows of up to 4 KB one by one,
+# longer ones (and bf16 ones) four at a time, the fifth alone.
+NORM_SHAPES = [(0, 8), (1, 1), (3, 7), (5, 768), (2, 3, 1001), (9, 33), (5, 4099), (1, 11008)]
 
 
 def spread(shape, dtype, device) -> torch.Tensor:
