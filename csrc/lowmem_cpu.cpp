@@ -732,6 +732,7 @@ void norm_output_backward_kernel(const U* grad, const U* y, const at::opmath_typ
                                  const at::opmath_type<U>* scale, const at::opmath_type<U>* inverse_scale,
                                  const at::opmath_type<U>* shifted, const int64_t* columns, int64_t n_columns,
                                  const U* exact, int64_t rows, int64_t dim, bool center, T* grad_input) {
+  const bool by_four = sizeof(U) < sizeof(float) || dim * int64_t(sizeof(U)) > 4096;
   at::parallel_for(0, rows, row_grain(dim), [&](int64_t begin, int64_t end) {
     int64_t row = begin;
     const auto run = [&](auto count) {
@@ -740,7 +741,6 @@ void norm_output_backward_kernel(const U* grad, const U* y, const at::opmath_typ
                                                         exact + row * n_columns, dim, center, grad_input + row * dim);
       row += decltype(count)::value;
     };
-    const bool by_four = sizeof(U) < sizeof(float) || dim * int64_t(sizeof(U)) > 4096;
     while (by_four && row + 4 <= end) run(std::integral_constant<int, 4>());
     while (row < end) run(std::integral_constant<int, 1>());
   });
