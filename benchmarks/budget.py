@@ -27,7 +27,8 @@ from benchmarks.common import interleaved_median, markdown_table, write_section
 from lightning_lowmem import apply_lowmem
 from lightning_lowmem.memory import MIB
 from lightning_lowmem.surgery.budget import BudgetPlan, checkpoint_block, find_blocks, measure_blocks
-from lightning_lowmem.surgery.convert import Surgery, measure_saved
+from lightning_lowmem.surgery.convert import Surgery
+from lightning_lowmem.surgery.measure import measure_saved
 
 BUDGETS = (0.6, 0.3)
 

@@ -24,7 +24,7 @@ from torch import nn
 from benchmarks.common import markdown_table, write_section
 from benchmarks.parity import docstrings
 from lightning_lowmem.ops.activation import step_activation
-from lightning_lowmem.ops.activation_registry import ACTIVATIONS, SUPPORTED_BITS, code_bits
+from lightning_lowmem.registry.activations import ACTIVATIONS, SUPPORTED_BITS, code_bits
 
 BITS = SUPPORTED_BITS
 

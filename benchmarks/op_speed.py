@@ -38,7 +38,7 @@ from benchmarks.common import (
     write_section,
 )
 from lightning_lowmem import functional, kernels
-from lightning_lowmem.ops.activation_registry import ACTIVATIONS
+from lightning_lowmem.registry.activations import ACTIVATIONS
 
 SHAPES = ((8, 197, 3072), (8, 197, 768), (2, 2048, 11008), (2, 2048, 4096))
 DTYPES = (torch.float32, torch.bfloat16)

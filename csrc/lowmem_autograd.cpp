@@ -123,9 +123,9 @@ at::Tensor act_backward(const at::Tensor& grad, const at::Tensor& packed, at::Ar
   return op.call(grad, packed, levels);
 }
 
-// lightning_lowmem.ops.norm.MemorySharingNorm with an affine: returns (y, z), z without a gradient, or (y) where
-// it saves y, and z at its exact columns (at most max_exact_columns of them), instead.
-struct MemorySharingNorm : public torch::autograd::Function<MemorySharingNorm> {
+// lightning_lowmem.ops.norm.MemorySharingNormFunction with an affine: returns (y, z), z without a gradient, or
+// (y) where it saves y, and z at its exact columns (at most max_exact_columns of them), instead.
+struct MemorySharingNormFunction : public torch::autograd::Function<MemorySharingNormFunction> {
   static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const OptionalTensor& gamma,
                                const OptionalTensor& beta, int64_t max_exact_columns, int64_t dim, double eps,
                                bool center, at::ScalarType out_dtype, double offset, c10::string_view name) {
@@ -197,12 +197,12 @@ std::tuple<at::Tensor, at::Tensor> ms_norm(const at::Tensor& x, const OptionalTe
                                            c10::string_view name) {
   TORCH_CHECK_VALUE(gamma.has_value() || beta.has_value(), name, ": lowmem::ms_norm needs a weight or a bias");
   variable_list out =
-      MemorySharingNorm::apply(x, gamma, beta, max_exact_columns, dim, eps, center, out_dtype, offset, name);
+      MemorySharingNormFunction::apply(x, gamma, beta, max_exact_columns, dim, eps, center, out_dtype, offset, name);
   return {out[0], out.size() > 1 ? out[1] : at::Tensor()};  // no z (None) where the norm saved y
 }
 
 // lightning_lowmem.ops.affine.AffineLinearFunction.
-struct AffineLinear : public torch::autograd::Function<AffineLinear> {
+struct AffineLinearFunction : public torch::autograd::Function<AffineLinearFunction> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const OptionalTensor& z,
                             const at::Tensor& weight, const OptionalTensor& bias, const OptionalTensor& gamma,
                             const OptionalTensor& beta, at::ScalarType dtype, double offset) {
@@ -258,11 +258,11 @@ struct AffineLinear : public torch::autograd::Function<AffineLinear> {
 at::Tensor affine_linear(const at::Tensor& x, const OptionalTensor& z, const at::Tensor& weight,
                          const OptionalTensor& bias, const OptionalTensor& gamma, const OptionalTensor& beta,
                          at::ScalarType dtype, double offset) {
-  return AffineLinear::apply(x, z, weight, bias, gamma, beta, dtype, offset);
+  return AffineLinearFunction::apply(x, z, weight, bias, gamma, beta, dtype, offset);
 }
 
-// lightning_lowmem.ops.activation.StepDerivativeActivation for a contiguous input of a fused kind.
-struct StepActivation : public torch::autograd::Function<StepActivation> {
+// lightning_lowmem.ops.activation.StepActivationFunction for a contiguous input of a fused kind.
+struct StepActivationFunction : public torch::autograd::Function<StepActivationFunction> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, c10::string_view kind,
                             at::ArrayRef<double> thresholds, at::ArrayRef<double> levels, c10::string_view name) {
     auto [y, packed] = act_forward(x, kind, thresholds);
@@ -282,7 +282,7 @@ struct StepActivation : public torch::autograd::Function<StepActivation> {
 
 at::Tensor step_activation(const at::Tensor& x, c10::string_view kind, at::ArrayRef<double> thresholds,
                            at::ArrayRef<double> levels, c10::string_view name) {
-  return StepActivation::apply(x, kind, thresholds, levels, name);
+  return StepActivationFunction::apply(x, kind, thresholds, levels, name);
 }
 
 }  // namespace

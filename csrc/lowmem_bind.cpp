@@ -62,9 +62,13 @@ at::Tensor act_codes_op(const at::Tensor& x, at::ArrayRef<double> thresholds) {
 }
 
 Activation activation_of(const char* op, c10::string_view kind) {
-  TORCH_CHECK_VALUE(kind == "silu" || kind == "gelu" || kind == "gelu_tanh", op, ": unknown activation kind '", kind,
-                    "'; expected gelu, gelu_tanh or silu");
-  return kind == "silu" ? Activation::kSilu : kind == "gelu" ? Activation::kGelu : Activation::kGeluTanh;
+#define LOWMEM_MATCH(name, id) \
+  if (kind == id) return Activation::name;
+  LOWMEM_ACTIVATIONS(LOWMEM_MATCH)
+#undef LOWMEM_MATCH
+#define LOWMEM_ID(name, id) " " id
+  TORCH_CHECK_VALUE(false, op, ": unknown activation kind '", kind, "'; expected one of" LOWMEM_ACTIVATIONS(LOWMEM_ID));
+#undef LOWMEM_ID
 }
 
 // The stock activation's output and the codes of x, in one pass where the device has one.

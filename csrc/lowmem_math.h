@@ -108,18 +108,30 @@ LOWMEM_HD V norm_input_grad(V g, V z, V rstd, V mean_g, V mean_gz) {
 }
 
 
-// Gated MLPs: h = act(g) * u. Activation and slope of the three supported kinds; M supplies the
-// transcendental functions for V (exp, erf, tanh) and a select, so the CPU (scalar and
+// Gated MLPs: h = act(g) * u. The activations the kernels know, by the activation registry's kernel id
+// (lightning_lowmem/registry/activations.py), as X(enumerator, id). A new one is an entry here, its
+// formulas in activation_and_slope below, and its ATen op in stock_activation_out (lowmem_kernels.h). M
+// supplies the transcendental functions for V (exp, erf, tanh) and a select, so the CPU (scalar and
 // Vectorized) and the GPU evaluate the same formulas.
-enum class Activation : int { kSilu = 0, kGelu = 1, kGeluTanh = 2 };
+#define LOWMEM_ACTIVATIONS(X) \
+  X(kSilu, "silu")            \
+  X(kGelu, "gelu")            \
+  X(kGeluTanh, "gelu_tanh")
+
+#define LOWMEM_ENUMERATOR(name, id) name,
+enum class Activation : int { LOWMEM_ACTIVATIONS(LOWMEM_ENUMERATOR) };
+#undef LOWMEM_ENUMERATOR
 
 // Host-side: call ``f`` with the activation as a compile-time constant.
 template <typename F>
 inline void dispatch_activation(Activation kind, F&& f) {
   switch (kind) {
-    case Activation::kSilu: f(std::integral_constant<Activation, Activation::kSilu>()); break;
-    case Activation::kGelu: f(std::integral_constant<Activation, Activation::kGelu>()); break;
-    default: f(std::integral_constant<Activation, Activation::kGeluTanh>()); break;
+#define LOWMEM_CASE(name, id)                                       \
+  case Activation::name:                                            \
+    f(std::integral_constant<Activation, Activation::name>());      \
+    break;
+    LOWMEM_ACTIVATIONS(LOWMEM_CASE)
+#undef LOWMEM_CASE
   }
 }
 

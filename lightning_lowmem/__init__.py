@@ -5,9 +5,10 @@ MS-RMSNorm) from "Reducing Fine-Tuning Memory Overhead by Approximate and
 Memory-Sharing Backpropagation" (ICML 2024).
 """
 
-from lightning_lowmem import functional, kernels, memory, nn
+from lightning_lowmem import functional, kernels, memory, nn, registry
 from lightning_lowmem.lightning import LowMemBP, LowMemFSDPPrecision, LowMemPrecision, PeakMemoryMonitor
-from lightning_lowmem.surgery import LowMemReport, apply_lowmem, max_batch_size, plan
+from lightning_lowmem.registry import register_activation, register_norm
+from lightning_lowmem.surgery import LowMemReport, Options, apply_lowmem, max_batch_size, plan
 
 __version__ = "0.1.0"
 
@@ -16,6 +17,7 @@ __all__ = [
     "LowMemFSDPPrecision",
     "LowMemPrecision",
     "LowMemReport",
+    "Options",
     "PeakMemoryMonitor",
     "apply_lowmem",
     "functional",
@@ -24,4 +26,7 @@ __all__ = [
     "memory",
     "nn",
     "plan",
+    "register_activation",
+    "register_norm",
+    "registry",
 ]

@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from lightning_lowmem.approx.__main__ import render
-from lightning_lowmem.ops import activation_registry, step_tables
-from lightning_lowmem.ops.activation_registry import (
+from lightning_lowmem.registry import activations as activation_registry, step_tables
+from lightning_lowmem.registry.activations import (
     ACTIVATIONS,
     GELU_2BIT,
     SILU_2BIT,

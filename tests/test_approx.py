@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lightning_lowmem.ops.activation_registry import GELU_2BIT, SILU_2BIT
-from lightning_lowmem.ops.step_tables import OBJECTIVES, TABLES
+from lightning_lowmem.registry.activations import GELU_2BIT, SILU_2BIT
+from lightning_lowmem.registry.step_tables import OBJECTIVES, TABLES
 
 pytest.importorskip("scipy")
 

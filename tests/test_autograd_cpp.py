@@ -144,7 +144,7 @@ def test_strided_activation_input_takes_the_python_function(recorder, monkeypatc
     """The stock op's own layout and element order for a strided input: the Python function's."""
     x = torch.randn(8, 40, requires_grad=True)
     _, _, names, _ = run("cpp", monkeypatch, recorder, lambda t: step_activation(t.t(), "silu"), x)
-    assert "StepDerivativeActivationBackward" in names and not any("lowmem::" in name for name in names)
+    assert "StepActivationFunctionBackward" in names and not any("lowmem::" in name for name in names)
 
 
 @pytest.mark.parametrize("path", PATHS)

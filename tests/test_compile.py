@@ -22,8 +22,8 @@ from lightning_lowmem import apply_lowmem, kernels
 from lightning_lowmem.kernels import library, torch_ops
 from lightning_lowmem.memory import SavedTensorMeter
 from lightning_lowmem.nn import LowMemLinear, MSLayerNorm
-from lightning_lowmem.ops.activation_registry import GELU_2BIT, SILU_2BIT
-from lightning_lowmem.surgery.dataflow import call, tensors_in
+from lightning_lowmem.registry.activations import GELU_2BIT, SILU_2BIT
+from lightning_lowmem.surgery.example import call, tensors_in
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")

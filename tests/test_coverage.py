@@ -29,7 +29,7 @@ from lightning_lowmem.nn import (
     PackedGatedMLP,
     T5GatedMLP,
 )
-from lightning_lowmem.surgery.dataflow import tensors_in
+from lightning_lowmem.surgery.example import tensors_in
 
 pytest.importorskip("transformers")
 pytest.importorskip("timm")

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from lightning_lowmem import functional, kernels
 from lightning_lowmem.kernels import build, library, torch_ops
-from lightning_lowmem.ops.activation_registry import GELU_2BIT, SILU_2BIT
+from lightning_lowmem.registry.activations import GELU_2BIT, SILU_2BIT
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 STEPS = {"gelu": GELU_2BIT, "silu": SILU_2BIT}
@@ -64,7 +64,7 @@ def test_codes_and_backward_match_reference_bit_for_bit(kernel_backend, table, d
 FORWARD_SIZES = [1, 7, 63, 64, 65, 1000, 32767, 32768, 32769, 65537, 3 * 32768 + 17, 8 * 197 * 768, 8 * 197 * 768 + 5]
 
 
-@pytest.mark.parametrize("kind", torch_ops.GATED_KINDS)
+@pytest.mark.parametrize("kind", torch_ops.KINDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_act_forward_is_the_stock_activation_bit_for_bit_and_its_codes(kernel_backend, kind, dtype, threads):

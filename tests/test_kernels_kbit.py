@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from lightning_lowmem import functional, kernels
 from lightning_lowmem.kernels import torch_ops
 from lightning_lowmem.nn import ReGELU2, ReSiLU2
-from lightning_lowmem.ops.activation_registry import ACTIVATIONS, GELU_2BIT, SILU_2BIT, code_bits
-from lightning_lowmem.ops.step_tables import TABLES
+from lightning_lowmem.registry.activations import ACTIVATIONS, GELU_2BIT, SILU_2BIT, code_bits
+from lightning_lowmem.registry.step_tables import TABLES
 
 
 def step_derivative(kind: str, bits: int = 2):
@@ -152,7 +152,7 @@ def test_surgery_and_callback_take_bits():
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8), torch.nn.SiLU())
     apply_lowmem(model, bits=4, example_input=torch.randn(2, 8))
     assert model[1].bits == 4 and model[3].bits == 4
-    assert LowMemBP(bits=1).options["bits"] == 1
+    assert LowMemBP(bits=1).options.bits == 1
     with pytest.raises(ValueError, match="bits"):
         apply_lowmem(torch.nn.Sequential(torch.nn.GELU()), bits=5)
 

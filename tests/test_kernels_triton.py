@@ -15,7 +15,7 @@ import torch
 
 from lightning_lowmem import kernels
 from lightning_lowmem.kernels import torch_ops
-from lightning_lowmem.ops.activation_registry import GELU_2BIT
+from lightning_lowmem.registry.activations import GELU_2BIT
 
 triton = pytest.importorskip("triton")
 triton_ops = pytest.importorskip("lightning_lowmem.kernels.triton_ops")

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from lightning_lowmem.functional import regelu2, resilu2
 
-# The paper's appendix-E constants, written out independently of lightning_lowmem.ops.activation_registry.
+# The paper's appendix-E constants, written out independently of lightning_lowmem.registry.activations.
 PAPER = {
     "gelu": (
         (-0.04922261145617846, 1.0979632065417297),

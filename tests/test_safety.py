@@ -21,7 +21,8 @@ from lightning_lowmem import LowMemBP, apply_lowmem
 from lightning_lowmem.memory import SavedTensorMeter
 from lightning_lowmem.nn import LowMemLinear, MemorySharingNorm
 from lightning_lowmem.surgery import apply as apply_module
-from lightning_lowmem.surgery.plan import ExampleInputError
+from lightning_lowmem.surgery import verify as verify_module
+from lightning_lowmem.surgery import ExampleInputError
 
 timm = pytest.importorskip("timm")
 peft = pytest.importorskip("peft")
@@ -182,7 +183,7 @@ def test_any_failure_after_the_first_change_restores_every_module(monkeypatch, f
     if failing == "replace":  # the second replacement, after the first changed the model
         monkeypatch.setattr(apply_module.Surgery, "replace", fail_on_call(apply_module.Surgery.replace, 2))
     elif failing == "verify":  # the converted model's outputs (the stock ones come from the probe)
-        monkeypatch.setattr(apply_module, "eval_outputs", fail_on_call(apply_module.eval_outputs, 1))
+        monkeypatch.setattr(verify_module, "eval_outputs", fail_on_call(verify_module.eval_outputs, 1))
     else:  # the measurement after conversion
         monkeypatch.setattr(apply_module, "measure_saved", fail_on_call(apply_module.measure_saved, 2))
     with pytest.raises(RuntimeError, match="injected failure"):

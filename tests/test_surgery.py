@@ -469,7 +469,7 @@ def test_failed_verification_rolls_back(monkeypatch):
     def mismatch(*args):
         raise RuntimeError("output 0 of the converted model differs")
 
-    monkeypatch.setattr(apply_module, "check_same", mismatch)
+    monkeypatch.setattr(apply_module, "verify", mismatch)
     with pytest.raises(RuntimeError, match="differs"):
         apply_lowmem(model, example_input=x)
     assert repr(model) == structure and type(model.up) is nn.Linear

@@ -67,7 +67,7 @@ def launches() -> list[tuple[triton.runtime.JITFunction, tuple, dict]]:
             triton_ops.norm_backward(z, z, rstd, None, 64, center, torch.float32, False)
             triton_ops.norm_backward(z, z, rstd, rstd.new_ones(64), 64, center, torch.float32, True)
         triton_ops.norm_forward(x.float(), 64, 1e-5, True, dtype)
-        for kind in torch_ops.GATED_KINDS if variants else ("silu",):
+        for kind in torch_ops.KINDS if variants else ("silu",):
             for act in (None, x) if variants else (x,):
                 triton_ops.gated_backward(x, x, x, kind, act)
     return [(r.kernel, args, kwargs) for r in recorders.values() for args, kwargs in r.launches]

@@ -17,8 +17,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from lightning_lowmem.ops.activation_registry import ACTIVATIONS as REGISTRY
-from lightning_lowmem.ops.activation_registry import StepDerivative, check_bits
+from lightning_lowmem.registry.activations import ACTIVATIONS as REGISTRY
+from lightning_lowmem.registry.activations import StepDerivative, check_bits
 
 Activation = Callable[[np.ndarray], np.ndarray]
 
@@ -33,21 +33,18 @@ def _on_tensors(fn: Callable[[torch.Tensor], torch.Tensor]) -> Activation:
     return on_arrays
 
 
-# The registry's exact forwards, in float64.
-ACTIVATIONS: dict[str, Activation] = {name: _on_tensors(entry.stock) for name, entry in REGISTRY.items()}
-
 # The paper's integration windows (appendix E, tails bounded by 1e-8); others are found numerically.
 PAPER_WINDOWS = {"gelu": math.sqrt(-2.0 * math.log(1e-8)), "silu": -2.0 * math.log(1e-8 / 2.0)}
 
 
 def _numpy_activation(owner: str, fn: str | Callable) -> Activation:
-    """``fn`` as a function of float64 numpy arrays: a name from ``ACTIVATIONS``, a function taking
+    """``fn`` as a function of float64 numpy arrays: a name of the activation registry, a function taking
     numpy arrays, or a torch callable (``F.gelu``, ``nn.Mish()``, a lambda on tensors), which is then
     evaluated on float64 tensors. One call on a probe array decides which."""
     if isinstance(fn, str):
-        if fn not in ACTIVATIONS:
-            raise ValueError(f"{owner}: unknown activation {fn!r}; known: {sorted(ACTIVATIONS)}")
-        return ACTIVATIONS[fn]
+        if fn not in REGISTRY:
+            raise ValueError(f"{owner}: unknown activation {fn!r}; known: {sorted(REGISTRY)}")
+        return _on_tensors(REGISTRY[fn].stock)
     if not callable(fn):
         raise TypeError(f"{owner}: fn must be an activation name or a callable, got {type(fn).__name__}")
 
@@ -129,7 +126,7 @@ def _window(fn: str | Callable, activation: Activation, window: float | None) ->
 def fit_step_derivative(
     fn: str | Callable, bits: int, window: float | None = None, restarts: int | None = None, seed: int = 0
 ) -> StepDerivative:
-    """Fit the ``bits``-bit step derivative of ``fn``: a name from ``ACTIVATIONS``, a numpy function,
+    """Fit the ``bits``-bit step derivative of ``fn``: a name of the activation registry, a numpy function,
     or a torch callable such as ``F.gelu`` or ``nn.Mish()``.
 
     Returns the ``2^bits - 1`` ascending thresholds and the ``2^bits`` derivative values of the

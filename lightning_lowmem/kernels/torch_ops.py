@@ -63,6 +63,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from lightning_lowmem.registry.activations import ACTIVATIONS
+
 
 def storage_bits(count: int) -> int:
     """Bits per code for ``count`` thresholds: 1, 2 or 4 (a 3-bit table packs as 4)."""
@@ -92,16 +94,17 @@ def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-GATED_KINDS = ("silu", "gelu", "gelu_tanh")  # the activations gated_backward has formulas for
+_STOCK_BY_KIND = {entry.kernel: entry.stock for entry in ACTIVATIONS.values() if entry.kernel is not None}
+KINDS = tuple(_STOCK_BY_KIND)
+"""The activation ids the kernels know (each a registry entry's ``kernel``): fused forward, gated backward."""
 
 
 def stock_activation(x: torch.Tensor, kind: str) -> torch.Tensor:
-    """The stock PyTorch activation ``kind`` (one of GATED_KINDS): what the ops' forward returns."""
-    if kind == "silu":
-        return F.silu(x)
-    if kind in ("gelu", "gelu_tanh"):
-        return F.gelu(x, approximate="tanh" if kind == "gelu_tanh" else "none")
-    raise ValueError(f"unknown activation kind {kind!r}; expected gelu, gelu_tanh or silu")
+    """The stock PyTorch activation of kernel id ``kind`` (the registry's function): what the ops' forward returns."""
+    stock = _STOCK_BY_KIND.get(kind)
+    if stock is None:
+        raise ValueError(f"unknown activation kind {kind!r}; expected one of {', '.join(KINDS)}")
+    return stock(x)
 
 
 def _shifts(bits: int, device: torch.device) -> torch.Tensor:
@@ -167,8 +170,8 @@ def check_gated(
     grad: torch.Tensor, gate: torch.Tensor, second: torch.Tensor, kind: str, act: torch.Tensor | None
 ) -> None:
     """The arguments of gated_backward make sense: a known kind, one shape and dtype for all tensors."""
-    if kind not in GATED_KINDS:
-        raise ValueError(f"gated_backward: unknown activation kind {kind!r}; expected gelu, gelu_tanh or silu")
+    if kind not in KINDS:
+        raise ValueError(f"gated_backward: unknown activation kind {kind!r}; expected one of {', '.join(KINDS)}")
     tensors = (grad, gate, second) if act is None else (grad, gate, second, act)
     if any(t.shape != grad.shape or t.dtype != grad.dtype for t in tensors):
         described = ", ".join(f"{tuple(t.shape)} {t.dtype}" for t in tensors)

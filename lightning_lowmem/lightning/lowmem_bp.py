@@ -18,7 +18,7 @@ DeepSpeed is refused.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from functools import partial
 from typing import Any
 from weakref import WeakSet
 
@@ -30,13 +30,10 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightning_lowmem.lightning.precision import refuse_deepspeed
-from lightning_lowmem.surgery import LowMemReport, apply_lowmem
-from lightning_lowmem.surgery.apply import keep_4bit_layers_trainable
-from lightning_lowmem.surgery.dataflow import describe
-from lightning_lowmem.surgery.deferred import CallArgs, at_first_call
-from lightning_lowmem.surgery.plan import ExampleInputError
+from lightning_lowmem.surgery import CallArgs, LowMemReport, Options, apply_lowmem, convert_at_first_forward, takes_options
 
 
+@takes_options
 class LowMemBP(Callback):
     """Convert the LightningModule for low-memory backpropagation before training starts.
 
@@ -45,35 +42,18 @@ class LowMemBP(Callback):
     probe forward on ``LightningModule.example_input_array``, or, without one, on the first
     training batch's forward), linear layers recast their weights in backward. Parameter names do
     not change, so checkpoints load into the stock model and back. The report is printed once on
-    rank 0 and kept in :attr:`report`. The arguments are those of
-    :func:`~lightning_lowmem.surgery.apply_lowmem`; ``budget_mib`` applies to the training batch,
-    so the blocks to checkpoint are chosen on the first one.
+    rank 0 and kept in :attr:`report`.
 
     Strategies: DDP; FSDP2 (``ModelParallelStrategy``, ``fully_shard`` in ``configure_model``: the sharded
     model is converted); FSDP (``FSDPStrategy``, with :class:`~lightning_lowmem.LowMemFSDPPrecision`) only
     on ``example_input_array`` and without ``budget_mib``. DeepSpeed is refused at setup.
+
+    Args:
+        {options}
     """
 
-    def __init__(
-        self,
-        activation: str | bool = "auto",
-        norm: str | bool = "auto",
-        include: str | Sequence[str] | None = None,
-        exclude: str | Sequence[str] | None = None,
-        linear: str | bool = "auto",
-        gated: str | bool = "auto",
-        verify: bool = True,
-        measure: bool = True,
-        bits: int = 2,
-        budget_mib: float | None = None,
-        checkpoint: str | Sequence[str] | None = None,
-    ) -> None:
-        self.options = {
-            "activation": activation, "norm": norm, "include": include, "exclude": exclude,
-            "linear": linear, "gated": gated, "verify": verify, "measure": measure, "bits": bits,
-            "checkpoint": checkpoint,
-        }  # fmt: skip
-        self.budget_mib = budget_mib
+    def __init__(self, **options: Any) -> None:
+        self.options = Options.parse(options, "LowMemBP")
         self.report: LowMemReport | None = None
         self._printed = False
         self._converted: WeakSet[pl.LightningModule] = WeakSet()  # modules converted or waiting for their input
@@ -130,8 +110,8 @@ class LowMemBP(Callback):
             return
         budget = (
             ""
-            if self.budget_mib is None
-            else f"\nactivation budget {self.budget_mib:g} MiB: fitted on the first training batch"
+            if self.options.budget_mib is None
+            else f"\nactivation budget {self.options.budget_mib:g} MiB: fitted on the first training batch"
         )
         rank_zero_info(f"LowMemBP: model surgery\n{self.report.table()}{budget}")
         self._printed = True
@@ -139,31 +119,30 @@ class LowMemBP(Callback):
     def _convert(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         example: Any = pl_module.example_input_array
         self._converted.add(pl_module)
-        probe_later = example is None and self.options["norm"] not in (False, None, "off")
-        if (probe_later or self.budget_mib is not None) and isinstance(trainer.strategy, FSDPStrategy):
+        budget = self.options.budget_mib
+        probe_later = example is None and self.options.norm
+        if (probe_later or budget is not None) and isinstance(trainer.strategy, FSDPStrategy):
             raise MisconfigurationException(
                 "LowMemBP with FSDPStrategy must convert the model before FSDP wraps it (FSDP flattens the "
                 "parameters), so on LightningModule.example_input_array and without budget_mib (fitted on the first "
                 "training batch); set example_input_array, or shard with FSDP2 (ModelParallelStrategy), where the "
                 "model is converted at the first training batch"
             )
-        if probe_later:  # the sanity check's eval forwards come first: keep them from repacking 4-bit weights
-            self.report = LowMemReport(pending=True, notes=keep_4bit_layers_trainable(pl_module))
-        else:
+        if not probe_later:
             with trainer.precision_plugin.forward_context():
-                self.report = apply_lowmem(pl_module, example_input=example, **self.options)
-            if self.budget_mib is None:
+                options = {**self.options.as_dict(), "budget_mib": None}
+                self.report = apply_lowmem(pl_module, example_input=example, **options)
+            if budget is None:
                 return
         # the rest runs on the first training batch: the norms' probe, or the budget, which is per batch
-        at_first_call(pl_module, lambda call: self._convert_on(trainer, pl_module, call), any_submodule=True)
+        pending = convert_at_first_forward(pl_module, partial(self._convert_on, trainer, pl_module), any_submodule=True)
+        if probe_later:
+            self.report = pending
 
-    def _convert_on(self, trainer: pl.Trainer, pl_module: pl.LightningModule, call: CallArgs) -> bool:
+    def _convert_on(self, trainer: pl.Trainer, pl_module: pl.LightningModule, call: CallArgs) -> None:
         """The surgery at the first training forward (inside ``training_step``: precision context on)."""
         call = trainer.strategy.broadcast(call, src=0)  # every rank probes rank 0's input: one decision
-        try:
-            report = apply_lowmem(pl_module, example_input=call, budget_mib=self.budget_mib, **self.options)
-        except ExampleInputError:
-            return False  # the forward goes on, stock, and raises the model's own error
+        report = apply_lowmem(pl_module, example_input=call, **self.options.as_dict())
         decision = (tuple((entry.name, entry.status) for entry in report.entries), report.checkpointed)
         if not trainer.strategy.reduce_boolean_decision(decision == trainer.strategy.broadcast(decision), all=True):
             raise RuntimeError("LowMemBP: the ranks converted the model differently; stopping every rank")
@@ -173,5 +152,4 @@ class LowMemBP(Callback):
             self._print_once()
         else:  # converted at setup on example_input_array: this run only fitted the budget
             self.report.budget = report.budget
-            rank_zero_info(f"LowMemBP: on the first training batch, {describe(call)}: {report.budget.summary()}")
-        return True
+            rank_zero_info(f"LowMemBP: on the first training batch, {report.probe}: {report.budget.summary()}")

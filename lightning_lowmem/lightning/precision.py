@@ -15,7 +15,6 @@ is in module-level functions, for other plugin types (:class:`~lightning_lowmem.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from functools import partial
 from typing import Any, Literal, get_args
@@ -32,17 +31,11 @@ from typing_extensions import Self, override
 
 from lightning_lowmem.memory.saved_tensors import observer
 from lightning_lowmem.nn import MemorySharingNorm
+from lightning_lowmem.registry.norms import is_normalization
 
 _MIXED = Literal["16-mixed", "bf16-mixed"]
 _TRUE_HALF = Literal["16-true", "bf16-true"]
 _PRECISION = Literal[_MIXED, _TRUE_HALF, "32-true"]
-_NORM_NAME = re.compile(r"norm(\d+d)?$", re.IGNORECASE)
-_TORCH_NORMS = (
-    nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.LocalResponseNorm,
-    nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm,
-    nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d,
-)  # fmt: skip
-_MEMORY_SHARING_NORMS = (MemorySharingNorm,)
 
 # One output hook per norm module, whichever plugin installed it last (a model can be
 # set up by several trainers, or several times by one).
@@ -50,14 +43,14 @@ _OUTPUT_HOOKS: WeakKeyDictionary[nn.Module, RemovableHandle] = WeakKeyDictionary
 
 
 def is_norm(module: nn.Module) -> bool:
-    """A torch normalization layer (or subclass), a memory-sharing norm, or any module whose
-    class name ends in ``Norm`` (``LlamaRMSNorm``, timm ``RmsNorm``, ``T5LayerNorm``, ...)."""
-    return isinstance(module, (*_TORCH_NORMS, *_MEMORY_SHARING_NORMS)) or bool(_NORM_NAME.search(type(module).__name__))
+    """A normalization layer of the norm registry's (:func:`~lightning_lowmem.registry.norms.is_normalization`:
+    torch's, any class whose name ends in ``Norm``, classes given to ``register_norm``) or a memory-sharing norm."""
+    return isinstance(module, MemorySharingNorm) or is_normalization(module)
 
 
 def is_stock_norm(module: nn.Module) -> bool:
     """A norm (:func:`is_norm`) that is not a memory-sharing norm."""
-    return is_norm(module) and not isinstance(module, _MEMORY_SHARING_NORMS)
+    return is_normalization(module) and not isinstance(module, MemorySharingNorm)
 
 
 def cast_except_norms(module: nn.Module, dtype: torch.dtype, keep: Callable[[nn.Module], bool] = is_norm) -> None:

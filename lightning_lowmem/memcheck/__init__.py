@@ -35,7 +35,7 @@ from torch import nn
 from lightning_lowmem.lightning import LowMemPrecision
 from lightning_lowmem.memory import MIB, SavedTensorMeter
 from lightning_lowmem.surgery import apply_lowmem
-from lightning_lowmem.surgery.dataflow import call
+from lightning_lowmem.surgery.example import call
 
 BASELINE = Path(__file__).with_name("baseline.json")
 DEFAULT_TOLERANCE = 0.01

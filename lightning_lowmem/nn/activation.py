@@ -1,7 +1,7 @@
 """Activation modules over :mod:`lightning_lowmem.ops.activation`: exact forward, k-bit backward.
 
 :class:`LowMemActivation` serves every activation of the registry
-(:mod:`lightning_lowmem.ops.activation_registry`); :class:`ReGELU2` and :class:`ReSiLU2` are the
+(:mod:`lightning_lowmem.registry.activations`); :class:`ReGELU2` and :class:`ReSiLU2` are the
 paper's names for GELU and SiLU. :meth:`LowMemActivation.create` picks the public class for a name.
 """
 
@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from lightning_lowmem.ops.activation import regelu2, resilu2, step_activation
-from lightning_lowmem.ops.activation_registry import ActivationName, check_bits, code_bits, get_activation
+from lightning_lowmem.registry.activations import check_bits, code_bits, get_activation
 
 
 class LowMemActivation(nn.Module):
@@ -20,13 +20,13 @@ class LowMemActivation(nn.Module):
     ``bits`` = 1, 2, 3 or 4 saves ``bits/8`` byte per element (3 is stored as 4).
     """
 
-    def __init__(self, activation: ActivationName = "gelu", bits: int = 2) -> None:
+    def __init__(self, activation: str = "gelu", bits: int = 2) -> None:
         super().__init__()
         self.activation = get_activation(activation, type(self).__name__).name
         self.bits = check_bits(type(self).__name__, bits)
 
     @staticmethod
-    def create(activation: ActivationName, bits: int = 2) -> LowMemActivation:
+    def create(activation: str, bits: int = 2) -> LowMemActivation:
         """The module for ``activation``: ReGELU2 (erf or tanh), ReSiLU2, or a LowMemActivation."""
         if activation in ("gelu", "gelu_tanh"):
             return ReGELU2("tanh" if activation == "gelu_tanh" else "none", bits)

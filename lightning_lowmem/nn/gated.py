@@ -10,23 +10,50 @@ otherwise it saves ``gate`` and ``up`` (``"gate_up"``: exact, two). See
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import nn
 
 from lightning_lowmem.nn.norm import is_norm_output
 from lightning_lowmem.nn.peft import saves_its_input
-from lightning_lowmem.ops.activation_registry import get_activation
+from lightning_lowmem.registry.activations import get_activation
 from lightning_lowmem.ops.autocast import autocast_dtype
 from lightning_lowmem.ops.gated import MODES, gated_activation
+
+
+@dataclass(frozen=True)
+class GatedLayout:
+    """A stock gated MLP by its child names: all of them, the activation, the projection reading the input, and
+    an attribute that tells it from a plain MLP with the same children (timm's ``gate_last``)."""
+
+    children: frozenset[str]
+    activation: str
+    first: str
+    marker: str | None = None
+
+    def matches(self, module: nn.Module) -> bool:
+        """Whether ``module`` has this layout's children (it may have more) and marker."""
+        return self.children <= set(module._modules) and (self.marker is None or hasattr(module, self.marker))
 
 
 class GatedMLPBase(nn.Module, ABC):
     """``output(act(gate) * up)`` with ``gate, up = gate_and_up(x)``; subclasses fix the layout.
 
     Subclasses register the projections under the stock model's names (state_dict keys do not
-    change) and say which layer reads the product directly (``consumer``), for ``mode="auto"``.
+    change), say which layer reads the product directly (``consumer``), for ``mode="auto"``, and
+    which stock layouts they replace (``layouts``, built by ``from_stock``): the registry of gated
+    MLPs that the surgery reads (:func:`gated_layouts`).
     """
+
+    layouts: ClassVar[tuple[GatedLayout, ...]] = ()
+
+    @classmethod
+    def from_stock(cls, stock: nn.Module, activation: str) -> GatedMLPBase:
+        """The fused module over ``stock``'s own children (one of :attr:`layouts`)."""
+        return cls(stock, activation)
 
     def __init__(self, activation: str = "silu", mode: str = "auto") -> None:
         super().__init__()
@@ -70,6 +97,8 @@ class GatedMLPBase(nn.Module, ABC):
 class GatedMLP(GatedMLPBase):
     """``down_proj(act(gate_proj(x)) * up_proj(x))``: the LLaMA / Mistral / Qwen MLP, same names."""
 
+    layouts = (GatedLayout(frozenset({"gate_proj", "up_proj", "down_proj", "act_fn"}), "act_fn", "gate_proj"),)
+
     def __init__(
         self, hidden_size: int, intermediate_size: int, activation: str = "silu", bias: bool = False, mode: str = "auto"
     ) -> None:
@@ -93,6 +122,10 @@ class GatedMLP(GatedMLPBase):
         new.gate_proj, new.up_proj, new.down_proj = gate_proj, up_proj, down_proj
         return new
 
+    @classmethod
+    def from_stock(cls, stock: nn.Module, activation: str) -> GatedMLP:
+        return cls.from_projections(stock.gate_proj, stock.up_proj, stock.down_proj, activation)
+
     def gate_and_up(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.gate_proj(x), self.up_proj(x)
 
@@ -106,6 +139,12 @@ class GatedMLP(GatedMLPBase):
 class TimmGluMlp(GatedMLPBase):
     """timm's ``SwiGLU`` (``fc1_g``, ``fc1_x``) or ``GluMlp`` (one ``fc1`` whose halves are gate and
     up) with the fused product; children keep their names, so state_dict keys do not change."""
+
+    layouts = (
+        GatedLayout(frozenset({"fc1_g", "fc1_x", "act", "drop1", "norm", "fc2", "drop2"}), "act", "fc1_g"),
+        # timm's plain Mlp has the same children: ``gate_last`` tells them apart
+        GatedLayout(frozenset({"fc1", "act", "drop1", "norm", "fc2", "drop2"}), "act", "fc1", marker="gate_last"),
+    )
 
     def __init__(self, stock: nn.Module, activation: str, mode: str = "auto") -> None:
         super().__init__(activation, mode)
@@ -138,6 +177,8 @@ class PackedGatedMLP(GatedMLPBase):
     """``down_proj(act(gate) * up)`` with ``gate, up = gate_up_proj(x).chunk(2, dim=-1)``: the Phi-3 / GLM MLP,
     same child names."""
 
+    layouts = (GatedLayout(frozenset({"gate_up_proj", "down_proj", "activation_fn"}), "activation_fn", "gate_up_proj"),)
+
     def __init__(self, stock: nn.Module, activation: str, mode: str = "auto") -> None:
         super().__init__(activation, mode)
         self.gate_up_proj, self.down_proj = stock.gate_up_proj, stock.down_proj
@@ -157,6 +198,8 @@ class T5GatedMLP(GatedMLPBase):
     """``wo(dropout(act(wi_0(x)) * wi_1(x)))``: T5 v1.1 / Flan-T5 / mT5's ``T5DenseGatedActDense``, same child
     names, with its cast of the product to ``wo``'s dtype (T5 keeps ``wo`` in fp32 in half-precision models)."""
 
+    layouts = (GatedLayout(frozenset({"wi_0", "wi_1", "wo", "dropout", "act"}), "act", "wi_0"),)  # T5 v1.1, Flan-T5
+
     def __init__(self, stock: nn.Module, activation: str, mode: str = "auto") -> None:
         super().__init__(activation, mode)
         self.wi_0, self.wi_1, self.wo, self.dropout = stock.wi_0, stock.wi_1, stock.wo, stock.dropout
@@ -173,3 +216,12 @@ class T5GatedMLP(GatedMLPBase):
 
     def consumer(self) -> nn.Module | None:
         return self.wo if _passes_through(self.dropout) else None
+
+
+def gated_layouts() -> Iterator[tuple[GatedLayout, type[GatedMLPBase]]]:
+    """Every stock layout a fused class replaces, with that class: this module's, then any subclass users define."""
+    pending = [GatedMLPBase]
+    while pending:
+        cls = pending.pop(0)
+        yield from ((layout, cls) for layout in cls.layouts)
+        pending.extend(cls.__subclasses__())

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from lightning_lowmem.ops.norm import memory_sharing_norm
+from lightning_lowmem.registry.norms import NORMS
 
 _TAG = "_lowmem_shared_from"  # tensor attribute: (norm module, z, version) on a norm's output
 
@@ -67,10 +68,16 @@ def is_norm_output(x: torch.Tensor) -> bool:
 
 
 class MemorySharingNorm(nn.Module):
-    """Shared plumbing of the two norms: shape, eps, affine, ``from_module``, the tagged output."""
+    """Shared plumbing of the norms: shape, eps, affine, ``from_module``, the tagged output.
+
+    The affine parameters are registered under the names the stock module used (``weight``/``bias`` for
+    torch's, timm's and Hugging Face's; whatever :func:`~lightning_lowmem.register_norm` named), so a
+    checkpoint round-trips into the stock class strictly.
+    """
 
     stock: type[nn.Module]  # the torch module ``from_module`` takes
-    center: bool  # LayerNorm (subtracts the mean) or RMSNorm
+    kind: str  # its entry in the norm registry
+    center: bool  # LayerNorm (subtracts the mean) or RMSNorm: the registry entry's
 
     def __init__(
         self,
@@ -83,27 +90,39 @@ class MemorySharingNorm(nn.Module):
         super().__init__()
         shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
         self.normalized_shape, self.eps, self.weight_offset = shape, eps, float(weight_offset)
-        self.weight, self.bias = weight, bias
+        self.weight_name, self.bias_name = "weight", "bias"
+        self.register_parameter("weight", weight)
+        self.register_parameter("bias", bias)
+
+    @staticmethod
+    def of_kind(kind: str) -> type[MemorySharingNorm]:
+        """The class for a norm registry kind: :class:`MSLayerNorm` or :class:`MSRMSNorm`."""
+        return {cls.kind: cls for cls in MemorySharingNorm.__subclasses__()}[kind]
+
+    def adopt(self, stock: nn.Module, weight: str | None, bias: str | None) -> MemorySharingNorm:
+        """Hold ``stock``'s own affine Parameter objects under their names there (``None``: it has none)."""
+        for attr, name in (("weight", weight), ("bias", bias)):
+            del self._parameters[getattr(self, f"{attr}_name")]
+            setattr(self, f"{attr}_name", name or attr)
+            self.register_parameter(name or attr, stock._parameters.get(name) if name else None)
+        return self
 
     def affine(self) -> tuple[torch.Tensor | None, torch.Tensor | None, float]:
         """``(weight, bias, weight_offset)``: the output is ``(weight + weight_offset) * z + bias``."""
-        return self.weight, self.bias, self.weight_offset
+        return self._parameters.get(self.weight_name), self._parameters.get(self.bias_name), self.weight_offset
 
     @classmethod
     def from_module(cls, module: nn.Module):
         """Build from the matching stock norm, keeping its own Parameter objects (optimizers keep working)."""
         if not isinstance(module, cls.stock):
             raise TypeError(f"{cls.__name__}.from_module expects nn.{cls.stock.__name__}, got {type(module).__name__}")
-        new = cls(module.normalized_shape, module.eps)
-        new.weight, new.bias = module._parameters.get("weight"), module._parameters.get("bias")
-        return new
+        return cls(module.normalized_shape, module.eps).adopt(module, "weight", "bias")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps
         name = "ms_layer_norm" if self.center else "ms_rms_norm"
-        y, z = memory_sharing_norm(
-            x, self.normalized_shape, eps, self.center, self.weight, self.bias, self.weight_offset, name
-        )
+        weight, bias, offset = self.affine()
+        y, z = memory_sharing_norm(x, self.normalized_shape, eps, self.center, weight, bias, offset, name)
         if torch.is_grad_enabled() and z is not None:  # a training forward that saved z (not y: nothing to share)
             if torch.compiler.is_compiling():
                 # dynamo (torch 2.14) sets no attribute on a custom operator's output, on a view it does
@@ -113,14 +132,17 @@ class MemorySharingNorm(nn.Module):
 
     def extra_repr(self) -> str:
         offset = f", weight_offset={self.weight_offset}" if self.weight_offset else ""
-        return f"{self.normalized_shape}, eps={self.eps}{offset}, saves=normalized output+rstd"
+        names = (self.weight_name, self.bias_name) != ("weight", "bias")
+        named = f", parameters=({self.weight_name!r}, {self.bias_name!r})" if names else ""
+        return f"{self.normalized_shape}, eps={self.eps}{offset}{named}, saves=normalized output+rstd"
 
 
 class MSLayerNorm(MemorySharingNorm):
     """LayerNorm that saves its normalized output, shared with the linear layers reading it."""
 
     stock = nn.LayerNorm
-    center = True
+    kind = "layer"
+    center = NORMS[kind].center
 
     def __init__(
         self,
@@ -140,7 +162,8 @@ class MSRMSNorm(MemorySharingNorm):
     """
 
     stock = nn.RMSNorm
-    center = False
+    kind = "rms"
+    center = NORMS[kind].center
 
     def __init__(
         self,

@@ -3,7 +3,7 @@
 Only a uint8 buffer of ``ceil(numel * k / 8)`` bytes is saved for backward (``k`` = 1, 2 or 4
 bits per element; 3-bit codes are stored in 4), instead of the whole input (16 or 32 bits per
 element). ``bits=2`` (the default) is the paper's method and constants. Any activation of
-:mod:`.activation_registry` works: GELU (erf, tanh), SiLU, QuickGELU, Mish.
+:mod:`lightning_lowmem.registry.activations` works: GELU (erf, tanh), SiLU, QuickGELU, Mish.
 """
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ import torch
 from lightning_lowmem import kernels
 from lightning_lowmem.kernels import library
 from lightning_lowmem.ops._checks import check_float_tensor, needs_graph, refuse_double_backward
-from lightning_lowmem.ops.activation_registry import StepDerivative, check_bits, get_activation
+from lightning_lowmem.registry.activations import StepDerivative, get_activation
 
 _GELU_KINDS = {"none": "gelu", "tanh": "gelu_tanh"}
 
 
-class StepDerivativeActivation(torch.autograd.Function):
+class StepActivationFunction(torch.autograd.Function):
     """Stock activation forward; backward multiplies by a step derivative of k-bit codes. ``kind``: the kernels'
     id of the activation (for a contiguous input they then compute output and codes in one call, in one pass
     where they can), or None for ``stock`` and a separate codes pass. ``lowmem::step_activation`` is this
@@ -48,13 +48,13 @@ class StepDerivativeActivation(torch.autograd.Function):
 
 def _apply(op: str, x: torch.Tensor, activation: str, bits: int) -> torch.Tensor:
     entry = get_activation(activation, op)
-    step = entry.steps[check_bits(op, bits)]
+    step = entry.step_derivative(bits, op)
     check_float_tensor(op, x)
     if not needs_graph(x):
         return entry.stock(x)
-    if entry.gated and x.is_contiguous() and kernels.autograd_in_cpp(x):
-        return library.OPS.step_activation.default(x, entry.name, step.thresholds, step.levels, op)
-    return StepDerivativeActivation.apply(x, entry.stock, entry.name if entry.gated else None, step, op)
+    if entry.kernel is not None and x.is_contiguous() and kernels.autograd_in_cpp(x):
+        return library.OPS.step_activation.default(x, entry.kernel, step.thresholds, step.levels, op)
+    return StepActivationFunction.apply(x, entry.stock, entry.kernel, step, op)
 
 
 def step_activation(x: torch.Tensor, activation: str = "gelu", bits: int = 2) -> torch.Tensor:

@@ -21,8 +21,7 @@ import torch
 
 from lightning_lowmem import kernels
 from lightning_lowmem.ops._checks import check_float_tensor, needs_graph, refuse_double_backward
-
-ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
+from lightning_lowmem.registry.activations import get_activation
 MODES = ("gate_up", "gate")
 
 
@@ -66,7 +65,8 @@ def forward_activation(
 def gated_activation(
     gate: torch.Tensor, up: torch.Tensor, activation: str = "silu", mode: str = "gate_up"
 ) -> torch.Tensor:
-    """``act(gate) * up`` (``activation``: ``"silu"``, ``"gelu"`` or ``"gelu_tanh"``), saving less.
+    """``act(gate) * up`` (``activation``: a registry activation with a gated kernel, ``"silu"``, ``"gelu"`` or
+    ``"gelu_tanh"``), saving less.
 
     ``mode="gate_up"`` saves ``gate`` and ``up``; ``mode="gate"`` saves ``gate`` and the output,
     which costs one activation less when the next layer saves the output too (see the module
@@ -75,8 +75,7 @@ def gated_activation(
     """
     check_float_tensor("gated_activation", gate)
     check_float_tensor("gated_activation", up)
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"gated_activation: activation must be one of {ACTIVATIONS}, got {activation!r}")
+    kind = get_activation(activation, "gated_activation", gated=True).kernel
     if mode not in MODES:
         raise ValueError(f"gated_activation: mode must be one of {MODES}, got {mode!r}")
     if gate.shape != up.shape:
@@ -86,5 +85,5 @@ def gated_activation(
     dtype = torch.promote_types(gate.dtype, up.dtype)
     gate, up = gate.to(dtype), up.to(dtype)
     if not (needs_graph(gate) or needs_graph(up)):
-        return kernels.torch_ops.stock_activation(gate, activation) * up
-    return GatedActivationFunction.apply(gate, up, activation, mode == "gate")
+        return kernels.torch_ops.stock_activation(gate, kind) * up
+    return GatedActivationFunction.apply(gate, up, kind, mode == "gate")

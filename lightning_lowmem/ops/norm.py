@@ -77,7 +77,7 @@ def max_exact_columns(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.
     return int(dim * MAX_EXACT_FRACTION)
 
 
-class MemorySharingNorm(torch.autograd.Function):
+class MemorySharingNormFunction(torch.autograd.Function):
     """Norm and affine that save only the affine-free output ``z`` and rstd. Returns ``(y, z)``, ``z``
     without a gradient of its own (readers that save it take ``dL/dy``), or ``z`` alone with no affine;
     ``(y, None)`` where it saves ``y``, and ``z`` at its exact columns, instead (at most ``max_exact`` of them,
@@ -209,7 +209,7 @@ def memory_sharing_norm(
         args = (x, weight, bias, max_exact, dim, eps, center, out_dtype, weight_offset, name)
         if affine and kernels.autograd_in_cpp(x):
             return library.OPS.ms_norm.default(*args)
-        out = MemorySharingNorm.apply(*args)
+        out = MemorySharingNormFunction.apply(*args)
         return out if affine else (out, out)
     impl = kernels.implementation(x.device)
     if not affine:

@@ -28,8 +28,9 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_lowmem.memory import MIB
-from lightning_lowmem.surgery import dataflow
-from lightning_lowmem.surgery.convert import Surgery, measure_saved
+from lightning_lowmem.surgery.convert import Surgery
+from lightning_lowmem.surgery.example import call, isolated, tensors_in
+from lightning_lowmem.surgery.measure import measure_saved
 
 
 @dataclass(frozen=True)
@@ -121,7 +122,7 @@ def measure_blocks(model: nn.Module, example: Any, names: list[str]) -> tuple[li
     inputs: dict[str, int] = {}
 
     def record_inputs(name: str, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        tensors = [t for t in dataflow.tensors_in([args, kwargs]) if not isinstance(t, nn.Parameter)]
+        tensors = [t for t in tensors_in([args, kwargs]) if not isinstance(t, nn.Parameter)]
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
         inputs.setdefault(name, sum(storages.values()))
 
@@ -131,8 +132,8 @@ def measure_blocks(model: nn.Module, example: Any, names: list[str]) -> tuple[li
     ]
     try:
         meter = measure_saved(model, example)
-        with dataflow.isolated(model, train=True), FlopCounterMode(display=False) as counter:
-            dataflow.call(model, example)
+        with isolated(model, train=True), FlopCounterMode(display=False) as counter:
+            call(model, example)
     finally:
         for handle in handles:
             handle.remove()

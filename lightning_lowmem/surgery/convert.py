@@ -1,4 +1,4 @@
-"""The changing phases of model surgery: apply a plan all or nothing, check, measure.
+"""The convert stage: apply a plan's replacements, and undo every change on any failure.
 
 A replacement swaps a module object wherever it is held: in the model, and in the new
 modules of the plan (a fused gated MLP holds the stock projections, which the plan replaces
@@ -9,14 +9,11 @@ already sharded, FSDP2's records of where it sets each parameter follow the repl
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
 
-import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from lightning_lowmem.memory import SavedTensorMeter
-from lightning_lowmem.surgery import dataflow, fsdp
+from lightning_lowmem.surgery import fsdp
 
 
 class Surgery:
@@ -75,37 +72,3 @@ class Surgery:
 
 
 _SHADOWED = object()  # undo marker: the attribute was the class's
-
-
-def measure_saved(model: nn.Module, example: Any) -> SavedTensorMeter:
-    """What one training-mode forward on ``example`` saves for backward (RNG and buffers restored)."""
-    with dataflow.isolated(model, train=True), SavedTensorMeter(model) as meter:
-        dataflow.call(model, example)
-    return meter
-
-
-def eval_outputs(model: nn.Module, example: Any) -> list[torch.Tensor]:
-    """The tensors of one eval-mode forward on ``example``, detached, in fp32."""
-    with dataflow.isolated(model, train=False):
-        return [t.detach().float() for t in dataflow.tensors_in(dataflow.call(model, example))]
-
-
-def output_tolerance(model: nn.Module) -> float:
-    """How close the converted model's outputs must be to the stock model's: 1e-4 where it computes in
-    fp32/fp64, 5e-2 where half-precision parameters or autocast round every layer's output (the two
-    models then differ by that rounding, both as close to an fp32 run)."""
-    half = (torch.float16, torch.bfloat16)
-    device_types = {p.device.type for p in model.parameters()} or {"cpu"}
-    autocast = any(torch.amp.is_autocast_available(d) and torch.is_autocast_enabled(d) for d in device_types)
-    return 5e-2 if autocast or any(p.dtype in half for p in model.parameters()) else 1e-4
-
-
-def check_same(before: list[torch.Tensor], after: list[torch.Tensor], tolerance: float) -> None:
-    """Raise unless the converted model's outputs equal the stock model's within ``tolerance`` (relative)."""
-    if len(before) != len(after):
-        raise RuntimeError(f"the converted model returns {len(after)} tensors instead of {len(before)}")
-    for i, (a, b) in enumerate(zip(before, after)):
-        scale = max(a.abs().max().item() if a.numel() else 0.0, 1.0)
-        if a.shape != b.shape or not torch.allclose(a, b, rtol=tolerance, atol=tolerance * scale):
-            diff = (a - b).abs().max().item() if a.shape == b.shape else "shape"
-            raise RuntimeError(f"output {i} of the converted model differs from the stock model (max diff {diff})")

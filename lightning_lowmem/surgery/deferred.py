@@ -1,53 +1,52 @@
 """Surgery at the model's first training forward, on that forward's own input, when no example is given.
 
-A one-shot forward pre-hook captures the call (:class:`CallArgs`), runs the conversion with it as
-the example (probe, convert, verify: all or nothing), removes itself, and lets the forward go on
+A one-shot forward pre-hook captures the call (:class:`~.example.CallArgs`), runs the conversion with it
+as the example (probe, convert, verify: all or nothing), removes itself, and lets the forward go on
 through the converted modules. Forwards without gradients (evaluation, inference mode) are let
-through unconverted: they save nothing for backward, and a training step may take other paths.
+through unconverted: they save nothing for backward, and a training step may take other paths. A
+model that cannot run the input is left as it was, the forward goes on and raises the model's own
+error, and the next training forward tries again.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-
-@dataclass(frozen=True)
-class CallArgs:
-    """A captured call: ``root.get_submodule(module)(*args, **kwargs)``."""
-
-    args: tuple = ()
-    kwargs: dict[str, Any] = field(default_factory=dict)
-    module: str = ""
+from lightning_lowmem.surgery.bitsandbytes import keep_4bit_layers_trainable
+from lightning_lowmem.surgery.example import CallArgs
+from lightning_lowmem.surgery.probe import ExampleInputError
+from lightning_lowmem.surgery.report import LowMemReport
 
 
-def at_first_call(root: nn.Module, run: Callable[[CallArgs], bool], any_submodule: bool = False) -> Callable[[], None]:
-    """Call ``run`` before the first forward of ``root`` with gradients enabled (with ``any_submodule``: of
-    whichever module of ``root`` is called first, e.g. ``self.model`` inside a LightningModule's
-    ``training_step``). ``run`` returns False to be called again at the next such forward. Returns a
-    function that removes the hooks unused."""
-    names = {module: name for name, module in root.named_modules()} if any_submodule else {root: ""}
+def convert_at_first_forward(
+    model: nn.Module, convert: Callable[[CallArgs], object], *, any_submodule: bool = False
+) -> LowMemReport:
+    """Call ``convert`` on the first forward of ``model`` with gradients enabled (with ``any_submodule``: of
+    whichever module of ``model`` is called first, e.g. ``self.model`` inside a LightningModule's
+    ``training_step``), before that forward runs. Returns the pending report; ``convert`` fills it in (or
+    its own). bitsandbytes' 4-bit layers are kept trainable at once: evaluation forwards (Lightning's sanity
+    check) come before the first training forward."""
+    report = LowMemReport(pending=True, notes=keep_4bit_layers_trainable(model))
+    names = {module: name for name, module in model.named_modules()} if any_submodule else {model: ""}
     handles: list[RemovableHandle] = []
 
     def install() -> None:
         handles.extend(module.register_forward_pre_hook(pre_hook, with_kwargs=True) for module in names)
 
-    def remove() -> None:
-        for handle in handles:
-            handle.remove()
-        handles.clear()
-
     def pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
         if not handles or not torch.is_grad_enabled():
             return
-        remove()  # before running: the surgery must see hook-free modules, and it calls the model itself
-        if not run(CallArgs(tuple(args), dict(kwargs), names[module])):
-            install()
+        for handle in handles:  # before running: the surgery must see hook-free modules, and calls the model itself
+            handle.remove()
+        handles.clear()
+        try:
+            convert(CallArgs(tuple(args), dict(kwargs), names[module]))
+        except ExampleInputError:
+            install()  # the forward goes on, stock, and raises the model's own error
 
     install()
-    return remove
+    return report

@@ -16,23 +16,19 @@ too; RNG and buffers are restored afterwards.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten
 
 from lightning_lowmem.nn.linear import linear_arguments
 from lightning_lowmem.nn.norm import whole_rows
 from lightning_lowmem.nn.peft import is_lora_layer, lora_dropouts
-from lightning_lowmem.surgery.deferred import CallArgs
-from lightning_lowmem.surgery.detect import probe_mode
+from lightning_lowmem.surgery.example import call, isolated, tensors_in
 
 _METADATA = {
     "size", "dim", "numel", "stride", "is_contiguous", "element_size", "nelement", "is_floating_point",
@@ -101,17 +97,6 @@ def _op_name(func: Any) -> str:
     return name
 
 
-def tensors_in(obj: Any) -> list[torch.Tensor]:
-    """The tensors in a (nested) model output: tensor, list, tuple, dict, HF ModelOutput."""
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, Mapping):
-        return [t for value in obj.values() for t in tensors_in(value)]
-    if isinstance(obj, (list, tuple)):
-        return [t for value in obj for t in tensors_in(value)]
-    return []
-
-
 class _Probe(TorchFunctionMode):
     def __init__(
         self, flow: Flow, names: dict[nn.Module, str], stack: list[nn.Module], activations: set[nn.Module],
@@ -176,78 +161,7 @@ class _Probe(TorchFunctionMode):
         return out
 
 
-def _as_is(t: torch.Tensor) -> torch.Tensor:
-    return t
-
-
-@contextmanager
-def isolated(model: nn.Module, train: bool) -> Iterator[None]:
-    """Run a throwaway forward (:func:`~.detect.probe_mode`): RNG and buffers restored afterwards, and what it
-    saves for backward hidden from any saved-tensor hooks around it (a SavedTensorMeter measuring the
-    training step that triggered the surgery)."""
-    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
-    devices = sorted({b.device.index for b in model.parameters() if b.device.type == "cuda"})
-    with torch.random.fork_rng(devices=devices), probe_mode(model, train):
-        try:
-            with torch.autograd.graph.saved_tensors_hooks(_as_is, _as_is):
-                yield
-        finally:
-            with torch.no_grad():
-                for name, b in model.named_buffers():
-                    if name in buffers:
-                        b.copy_(buffers[name])
-
-
-def call(model: nn.Module, example: Any) -> Any:
-    """Call ``model`` the Lightning way: a tuple is positional args, a dict keyword args; a captured
-    :class:`~.deferred.CallArgs` is replayed as it was made."""
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    to_device = partial(tree_map, lambda t: t.to(device) if isinstance(t, torch.Tensor) else t)
-    if isinstance(example, CallArgs):
-        return model.get_submodule(example.module)(*to_device(example.args), **to_device(example.kwargs))
-    example = to_device(example)
-    if isinstance(example, tuple):
-        return model(*example)
-    if isinstance(example, Mapping):
-        return model(**example)
-    return model(example)
-
-
-def with_batch_size(example: Any, size: int) -> Any:
-    """``example`` with ``size`` rows: its tensors' rows (dim 0) repeated or cut, as a bigger or smaller batch."""
-
-    def resize(value: Any) -> Any:
-        if not isinstance(value, torch.Tensor) or value.dim() == 0:
-            return value
-        rows = torch.arange(size, device=value.device) % value.shape[0]
-        return value.index_select(0, rows)  # a tensor of its own (a slice would keep a bigger storage)
-
-    if isinstance(example, CallArgs):
-        return CallArgs(tree_map(resize, example.args), tree_map(resize, example.kwargs), example.module)
-    return tree_map(resize, example)
-
-
-def describe(example: Any) -> str:
-    """An example input in a line, e.g. ``model.backbone(tensor[8, 3, 32, 32], attention_mask=tensor[8, 16])``."""
-
-    def show(value: Any) -> str:
-        if isinstance(value, torch.Tensor):
-            return f"tensor[{', '.join(map(str, value.shape))}]"
-        return type(value).__name__
-
-    if isinstance(example, CallArgs):
-        args, kwargs, module = example.args, example.kwargs, example.module or "model"
-    elif isinstance(example, tuple):
-        args, kwargs, module = example, {}, "model"
-    elif isinstance(example, Mapping):
-        args, kwargs, module = (), example, "model"
-    else:
-        args, kwargs, module = (example,), {}, "model"
-    parts = [show(a) for a in args] + [f"{k}={show(v)}" for k, v in kwargs.items()]
-    return f"{module}({', '.join(parts)})"
-
-
-def trace(
+def _trace(
     model: nn.Module, example: Any, norms: dict[str, tuple[nn.Module, tuple[int, ...]]], activations: set[nn.Module]
 ) -> Flow:
     """Probe ``model`` on ``example`` (train and eval mode) and record the reads of every norm in ``norms``
@@ -295,3 +209,26 @@ def trace(
         if norm not in called:
             flow.block(norm, "not called in the probe forward")
     return flow
+
+
+class ExampleInputError(RuntimeError):
+    """The model fails on the example input (the model's own error is the cause); nothing was changed."""
+
+
+def probe(model: nn.Module, example: Any, norms: dict[str, tuple[int, ...]], activations: set[nn.Module]) -> Flow:
+    """The probe stage: every read of the output of each norm in ``norms`` (name -> normalized shape), and
+    the GELU/SiLU functions called in modules other than ``activations``. Without an example every norm is
+    left alone; an example the model cannot run is an :class:`ExampleInputError`."""
+    if example is None:
+        flow = Flow()
+        for name in norms:
+            flow.block(name, "no example input to trace its data flow (set example_input_array)")
+        return flow
+    named = dict(model.named_modules())
+    try:
+        return _trace(model, example, {name: (named[name], shape) for name, shape in norms.items()}, activations)
+    except Exception as err:
+        raise ExampleInputError(
+            f"apply_lowmem: {type(model).__name__} cannot run the example input ({type(err).__name__}: {err}); "
+            "nothing was changed"
+        ) from err

@@ -2,7 +2,7 @@
 
 ``TABLES[activation][bits]`` holds ``(thresholds, levels)``: the ``2^bits - 1`` ascending thresholds and
 the ``2^bits`` derivative levels minimising the L2 objective of the paper's appendix E; ``OBJECTIVES``
-the objective value reached. :mod:`lightning_lowmem.ops.activation_registry` serves them (the paper's
+the objective value reached. :mod:`lightning_lowmem.registry.activations` serves them (the paper's
 own 2-bit GELU/SiLU constants stay the default at 2 bits).
 """
 

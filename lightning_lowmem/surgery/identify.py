@@ -1,20 +1,16 @@
-"""Recognise activations, gated MLPs and LayerNorm / RMSNorm layers across torch, timm and HF.
+"""What does one module compute? The registries nominate a module; running it on a probe decides.
 
-Class names only nominate candidates; each candidate is then *verified* by running it on a
-test input and comparing with the reference function (for norms and linear layers with
-randomised parameters), so a look-alike that computes something else (a sigmoid GLU, a
-channels-first LayerNorm2d) is rejected with a reason instead of being converted; what the
-probe identifies is kept (Gemma's RMSNorm scales by ``1 + weight``: a weight offset of 1; GPT-2's
-``Conv1D`` is a linear layer with a transposed weight). Activations are checked against every
-entry of the activation registry.
+Class names and registrations only nominate candidates (:func:`names_activation`, :func:`names_norm`);
+each candidate is then *verified* by running it on a test input and comparing it with the registry's
+reference (for norms and linear layers with randomised parameters), so a look-alike that computes
+something else (a sigmoid GLU, a channels-first LayerNorm2d, a class registered as the wrong kind) is
+refused with the reason and the measured difference instead of being converted. What the probe
+identifies is kept (Gemma's RMSNorm scales by ``1 + weight``: a weight offset of 1; GPT-2's ``Conv1D``
+is a linear layer with a transposed weight).
 """
 
 from __future__ import annotations
 
-import re
-import sys
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Literal
 
@@ -24,30 +20,30 @@ from torch import nn
 from torch.func import functional_call
 
 from lightning_lowmem.memory.saved_tensors import OBSERVER
-from lightning_lowmem.nn import GatedMLP, GatedMLPBase, PackedGatedMLP, T5GatedMLP, TimmGluMlp
-from lightning_lowmem.ops.activation_registry import ACTIVATIONS
-
-_ACTIVATION_NAME = re.compile(r"gelu|silu|swish|mish", re.IGNORECASE)
-_NORM_NAME = re.compile(r"layer_?norm|rms_?norm", re.IGNORECASE)
-_EPS_ATTRS = ("eps", "variance_epsilon", "epsilon")
+from lightning_lowmem.nn.gated import GatedLayout, GatedMLPBase, gated_layouts
+from lightning_lowmem.registry import activations, norms
+from lightning_lowmem.registry.activations import ACTIVATIONS, Activation
+from lightning_lowmem.registry.norms import NORMS, STOCK_LAYOUT, NormKindName
+from lightning_lowmem.surgery.example import probe_mode
 
 
 class NotConvertible(Exception):
     """A candidate that must stay as it is; the message is the reason shown in the report."""
 
 
-NormKind = Literal["layer", "rms"]
 LinearKind = Literal["linear", "transposed"]  # x @ weight.T + bias (nn.Linear), x @ weight + bias (HF Conv1D)
 
 
 @dataclass(frozen=True)
 class NormSpec:
-    """What a verified norm computes."""
+    """What a verified norm computes, and the names its parameters have (kept by the converted norm)."""
 
-    kind: NormKind
+    kind: NormKindName
     normalized_shape: tuple[int, ...]
     eps: float | None
     weight_offset: float = 0.0  # the affine scales by ``weight + weight_offset``
+    weight_name: str | None = "weight"
+    bias_name: str | None = "bias"
 
 
 def is_plain(module: nn.Module) -> bool:
@@ -57,75 +53,76 @@ def is_plain(module: nn.Module) -> bool:
     return not any(not getattr(hook, OBSERVER, False) for hook in hooks) and "forward" not in module.__dict__
 
 
-def is_activation_candidate(module: nn.Module) -> bool:
-    if isinstance(module, (nn.GELU, nn.SiLU)):
+def _is_leaf(module: nn.Module) -> bool:
+    return not any(module.children())
+
+
+def names_activation(module: nn.Module) -> bool:
+    """Nominated as an activation: a registered class, or a leaf whose class an activation entry names."""
+    if activations.registered_as(module) is not None:
         return True
-    return bool(_ACTIVATION_NAME.search(type(module).__name__)) and not any(module.children())
+    return _is_leaf(module) and any(entry.names_module(module) for entry in ACTIVATIONS.values())
 
 
-def is_norm_candidate(module: nn.Module) -> bool:
-    if isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
+def names_norm(module: nn.Module) -> bool:
+    """Nominated as a norm: a registered class, or a leaf whose class a norm kind names."""
+    if norms.registered_as(module) is not None:
         return True
-    return bool(_NORM_NAME.search(type(module).__name__)) and not any(module.children())
+    return _is_leaf(module) and any(kind.names_module(module) for kind in NORMS.values())
 
 
-def activation_name(module: nn.Module) -> str:
-    """The registry name of the activation ``module`` provably computes."""
+_ACTIVATION_PROBE = torch.linspace(-12.0, 12.0, 4801, dtype=torch.float64)
+
+
+def _elementwise_output(module: nn.Module) -> torch.Tensor:
+    """``module`` on the activation probe, in eval mode without grad (RNG untouched): an elementwise output."""
     if not is_plain(module):
         raise NotConvertible("has hooks or a patched forward (a replacement would drop them)")
     if any(True for _ in module.parameters(recurse=False)) or any(True for _ in module.buffers(recurse=False)):
         raise NotConvertible("has parameters or buffers")
-    x = torch.linspace(-12.0, 12.0, 4801, dtype=torch.float64)
     try:
-        with torch.no_grad():
-            y = module(x.clone())
+        with torch.random.fork_rng(devices=[]), probe_mode(module, train=False):
+            y = module(_ACTIVATION_PROBE.clone())
     except Exception as err:  # noqa: BLE001 - any failure means: not a plain elementwise activation
         raise NotConvertible(f"probe call failed ({type(err).__name__})") from None
-    if not isinstance(y, torch.Tensor) or y.shape != x.shape:
+    if not isinstance(y, torch.Tensor) or y.shape != _ACTIVATION_PROBE.shape:
         raise NotConvertible("not an elementwise activation")
-    for name, entry in ACTIVATIONS.items():
-        if torch.allclose(y.double(), entry.stock(x), rtol=0, atol=1e-9):
-            return name
-    known = ", ".join(entry.label for entry in ACTIVATIONS.values())
-    raise NotConvertible(f"computes none of {known}")
+    return y.double()
 
 
-@dataclass(frozen=True)
-class GatedLayout:
-    """A gated MLP layout by its child names: all of them, the activation, the projection reading the input;
-    ``build`` makes the fused module (sharing the children) from the stock one and the activation's name."""
-
-    children: frozenset[str]
-    activation: str
-    first: str
-    build: Callable[[nn.Module, str], GatedMLPBase]
-    marker: str | None = None  # an attribute telling it from a plain MLP with the same children
+def _matching_activation(y: torch.Tensor, entries: tuple[Activation, ...]) -> Activation | None:
+    return next((e for e in entries if torch.allclose(y, e.stock(_ACTIVATION_PROBE), rtol=0, atol=1e-9)), None)
 
 
-_GATED_LAYOUTS = (
-    GatedLayout(  # Hugging Face LLaMA, Mistral, Qwen, Gemma, ...
-        frozenset({"gate_proj", "up_proj", "down_proj", "act_fn"}), "act_fn", "gate_proj",
-        lambda m, act: GatedMLP.from_projections(m.gate_proj, m.up_proj, m.down_proj, act),
-    ),
-    GatedLayout(frozenset({"gate_up_proj", "down_proj", "activation_fn"}), "activation_fn", "gate_up_proj", PackedGatedMLP),
-    GatedLayout(frozenset({"wi_0", "wi_1", "wo", "dropout", "act"}), "act", "wi_0", T5GatedMLP),  # T5 v1.1, Flan-T5
-    GatedLayout(frozenset({"fc1_g", "fc1_x", "act", "drop1", "norm", "fc2", "drop2"}), "act", "fc1_g", TimmGluMlp),
-    GatedLayout(  # timm's plain Mlp has the same children: ``gate_last`` tells them apart
-        frozenset({"fc1", "act", "drop1", "norm", "fc2", "drop2"}), "act", "fc1", TimmGluMlp, marker="gate_last"
-    ),
-)  # fmt: skip
+def activation_of(module: nn.Module) -> Activation:
+    """The registry entry ``module`` provably computes (a registered class: the one it was registered as)."""
+    y = _elementwise_output(module)
+    registered = activations.registered_as(module)
+    entries = (registered,) if registered is not None else tuple(ACTIVATIONS.values())
+    entry = _matching_activation(y, entries)
+    if entry is not None:
+        return entry
+    if registered is not None:
+        difference = (y - registered.stock(_ACTIVATION_PROBE)).abs().max().item()
+        raise NotConvertible(
+            f"registered as {registered.label} (register_activation), but differs from it by up to {difference:.3g} "
+            "on [-12, 12]"
+        )
+    raise NotConvertible(f"computes none of {', '.join(entry.label for entry in ACTIVATIONS.values())}")
 
 
-def gated_layout(module: nn.Module) -> GatedLayout | None:
-    """The layout ``module`` has the children of (it may have more: :func:`fused_gated_mlp` says so), else ``None``."""
-    children = set(module._modules)
-    for layout in _GATED_LAYOUTS:
-        if layout.children <= children and (layout.marker is None or hasattr(module, layout.marker)):
-            return layout
-    return None
+def unnamed_activation(module: nn.Module) -> Activation | None:
+    """The activation a parameter-free leaf of a class outside torch computes although nothing nominated it (its
+    class name says nothing, it is not registered), for the report to say so; ``None`` for anything else."""
+    if type(module).__module__.startswith("torch.") or not _is_leaf(module) or names_activation(module):
+        return None
+    try:
+        return _matching_activation(_elementwise_output(module), tuple(ACTIVATIONS.values()))
+    except NotConvertible:
+        return None
 
 
-def fused_gated_mlp(stock: nn.Module, layout: GatedLayout) -> GatedMLPBase:
+def fused_gated_mlp(stock: nn.Module, layout: GatedLayout, build: type[GatedMLPBase]) -> GatedMLPBase:
     """The verified fused replacement of a stock gated MLP of ``layout``, sharing its children, or
     :class:`NotConvertible`.
 
@@ -135,14 +132,14 @@ def fused_gated_mlp(stock: nn.Module, layout: GatedLayout) -> GatedMLPBase:
         raise NotConvertible("has hooks or a patched forward (a replacement would drop them)")
     if set(stock._modules) != layout.children:
         raise NotConvertible(f"extra submodules {sorted(set(stock._modules) - layout.children)}")
-    activation = activation_name(stock._modules[layout.activation])
-    if not ACTIVATIONS[activation].gated:
-        raise NotConvertible(f"the fused product has no kernel for {ACTIVATIONS[activation].label}")
+    activation = activation_of(stock._modules[layout.activation])
+    if not activation.gated:
+        raise NotConvertible(f"the fused product has no kernel for {activation.label}")
     first = stock._modules[layout.first]
     parameter = next(first.parameters(), None)
     if parameter is None or not isinstance(getattr(first, "in_features", None), int):
         raise NotConvertible("its first projection is not a linear layer")
-    new = layout.build(stock, activation)
+    new = build.from_stock(stock, activation.name)
     # a quantized projection (bitsandbytes) stores integers: probe in a floating dtype it computes in
     dtype = next((p.dtype for p in first.parameters() if p.is_floating_point()), torch.get_default_dtype())
     x = torch.randn(2, 3, first.in_features, dtype=dtype, device=parameter.device)
@@ -154,6 +151,12 @@ def fused_gated_mlp(stock: nn.Module, layout: GatedLayout) -> GatedMLPBase:
     if not same:
         raise NotConvertible("computes something else than act(gate) * up followed by the down projection")
     return new
+
+
+def gated_layout(module: nn.Module) -> tuple[GatedLayout, type[GatedMLPBase]] | None:
+    """The gated MLP layout ``module`` has the children of (it may have more: :func:`fused_gated_mlp` says so),
+    with the fused class that replaces it, else ``None``."""
+    return next(((layout, cls) for layout, cls in gated_layouts() if layout.matches(module)), None)
 
 
 class LinearLayers:
@@ -193,55 +196,6 @@ class LinearLayers:
         return self._verdicts[key]
 
 
-def is_frozen_4bit_linear(module: nn.Module) -> bool:
-    """A bitsandbytes ``Linear4bit`` (QLoRA's frozen nf4/fp4 base layer): its autograd function keeps only the
-    quantized weight for backward (bitsandbytes >= 0.44), so it reads a norm's output saving nothing, as a frozen
-    ``nn.Linear`` does. Not ``Linear8bitLt``: its function keeps its input (as a ``ctx`` attribute)."""
-    bnb = sys.modules.get("bitsandbytes")  # not imported: no module is one
-    return bnb is not None and isinstance(module, bnb.nn.Linear4bit)
-
-
-def repacking_4bit_layers(model: nn.Module) -> list[nn.Module]:
-    """The layers that repack their quantized weight in place on an eval forward without grad: bitsandbytes'
-    ``Linear4bit`` (0.50 here) on a CPU with AVX512-BF16, for an inference kernel. The repack fails when the
-    output size is no multiple of 32, rounds the block scales to bfloat16, and leaves the layer computing through
-    a kernel without autograd: a training forward after it (after Lightning's sanity check or a validation epoch)
-    gives the layers before it no gradient through it."""
-    return [m for m in model.modules() if getattr(m, "support_avx512bf16_for_cpu", False)]
-
-
-def unpack_4bit_weight(layer: nn.Module) -> bool:
-    """Undo an earlier repack of ``layer``'s weight (as bitsandbytes does before saving it); whether there was one.
-    Its block scales stay rounded to bfloat16: the repack lost those bits."""
-    state = getattr(layer.weight, "quant_state", None)
-    if not getattr(state, "packing_format_for_cpu", False):
-        return False
-    from bitsandbytes.functional import _convert_weight_packed_for_cpu_inverse
-
-    layer.weight.data, layer.weight.quant_state = _convert_weight_packed_for_cpu_inverse(layer.weight.data, state)
-    return True
-
-
-@contextmanager
-def probe_mode(model: nn.Module, train: bool) -> Iterator[None]:
-    """The settings of a throwaway forward: every submodule in the mode asked for (each one's own flag back
-    afterwards), grad only in training, and quantized weights left as they are (no repacking, see
-    :func:`repacking_4bit_layers`)."""
-    flags = [(m, m.training) for m in model.modules()]
-    repacking = repacking_4bit_layers(model)
-    for layer in repacking:
-        layer.support_avx512bf16_for_cpu = False
-    model.train(train)
-    try:
-        with torch.set_grad_enabled(train):
-            yield
-    finally:
-        for m, training in flags:
-            m.training = training
-        for layer in repacking:
-            layer.support_avx512bf16_for_cpu = True
-
-
 def _probe_linear(module: nn.Module, weight: torch.Tensor, bias: torch.Tensor | None) -> LinearKind | None:
     """What ``module`` computes with random parameters (fp32, on their device): a :data:`LinearKind` or None."""
     trial = {"weight": torch.randn(weight.shape, device=weight.device)}
@@ -267,41 +221,28 @@ def _probe_linear(module: nn.Module, weight: torch.Tensor, bias: torch.Tensor | 
     return None
 
 
-def _eps(module: nn.Module) -> float | None:
-    for attr in _EPS_ATTRS:
-        if hasattr(module, attr):
-            value = getattr(module, attr)
-            if value is None or isinstance(value, (int, float)):
-                return None if value is None else float(value)
-    raise NotConvertible("no eps attribute found")
-
-
-def _reference(kind: str, x: torch.Tensor, shape: tuple[int, ...], eps: float | None, weight, bias) -> torch.Tensor:
-    dims = tuple(range(-len(shape), 0))
-    if kind == "layer":
-        x = x - x.mean(dims, keepdim=True)
-    eps = torch.finfo(x.dtype).eps if eps is None else eps
-    z = x * torch.rsqrt(x.square().mean(dims, keepdim=True) + eps)
-    if weight is not None:
-        z = z * weight
-    return z if bias is None else z + bias
-
-
 def norm_spec(module: nn.Module) -> NormSpec:
     """The verified description of a LayerNorm / RMSNorm, or :class:`NotConvertible`."""
+    registered = norms.registered_as(module)
+    kinds, layout = ((registered[0],), registered[1]) if registered else (tuple(NORMS.values()), STOCK_LAYOUT)
     params = dict(module.named_parameters(recurse=False))
-    if set(params) - {"weight", "bias"} or any(True for _ in module.buffers(recurse=False)):
-        raise NotConvertible(f"unexpected parameters/buffers {sorted(set(params) - {'weight', 'bias'})}")
+    unexpected = sorted(set(params) - {layout.weight, layout.bias})
+    if unexpected or any(True for _ in module.buffers(recurse=False)):
+        hint = "" if registered or not unexpected else " (lightning_lowmem.register_norm can name its parameters)"
+        raise NotConvertible(f"unexpected parameters/buffers {unexpected}{hint}")
     if not is_plain(module):
         raise NotConvertible("has hooks or a patched forward (they would see the affine-free output)")
-    weight = params.get("weight")
+    weight = params.get(layout.weight) if layout.weight else None
     shape = getattr(module, "normalized_shape", None)
     if shape is None:
         if weight is None:
             raise NotConvertible("cannot tell its normalized shape")
         shape = weight.shape
     shape = (shape,) if isinstance(shape, int) else tuple(shape)
-    eps = _eps(module)
+    try:
+        eps = layout.eps_of(module)
+    except ValueError as err:
+        raise NotConvertible(str(err)) from None
     if eps is not None and not eps > 0:
         raise NotConvertible(f"eps={eps} (the memory-sharing kernels need eps > 0)")
     # float64 input, randomised affine, rows at several scales (eps matters for the small ones)
@@ -319,15 +260,24 @@ def norm_spec(module: nn.Module) -> NormSpec:
         ) from None
     if not isinstance(y, torch.Tensor) or y.shape != x.shape:
         raise NotConvertible("its output is not shaped like its input")
-    gamma, beta = trial.get("weight"), trial.get("bias")
-    for kind in ("layer", "rms"):
-        if kind == "rms" and beta is not None:
+    y = y.double()
+    gamma = trial.get(layout.weight) if layout.weight else None
+    beta = trial.get(layout.bias) if layout.bias else None
+    differences = []
+    for kind in kinds:
+        if beta is not None and not kind.has_bias:
             continue
-        z = _reference(kind, x, shape, eps, None, None)
-        offset = _weight_offset(y.double(), z, gamma, beta)
-        scale = None if gamma is None else gamma + offset
-        if torch.allclose(y.double(), _reference(kind, x, shape, eps, scale, beta), rtol=1e-4, atol=1e-5):
-            return NormSpec(kind, shape, eps, offset)
+        z = kind.reference(x, shape, eps)
+        offset = layout.offset if layout.offset is not None else _weight_offset(y, z, gamma, beta)
+        expected = kind.reference(x, shape, eps, None if gamma is None else gamma + offset, beta)
+        if torch.allclose(y, expected, rtol=1e-4, atol=1e-5):
+            return NormSpec(kind.name, shape, eps, offset, layout.weight, layout.bias)
+        differences.append((y - expected).abs().max().item())
+    if registered:
+        raise NotConvertible(
+            f"registered as {kinds[0].label} (register_norm), but differs from it by up to {differences[0]:.3g} on "
+            "the probe"
+        )
     raise NotConvertible("computes neither LayerNorm nor RMSNorm over the last dimensions (e.g. channels-first)")
 
 

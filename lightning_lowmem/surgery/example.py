@@ -1,0 +1,135 @@
+"""The example input the surgery runs on: how to call a model with it (also as a throwaway forward that
+changes nothing), resize it, describe it.
+
+An example is what Lightning's ``example_input_array`` holds (a tensor, a tuple of positional
+arguments, or a dict of keyword arguments), or a :class:`CallArgs` captured from a real call (the
+model's first training forward, :mod:`.deferred`), replayed as it was made.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+
+from lightning_lowmem.surgery.bitsandbytes import repacking_off
+
+
+@dataclass(frozen=True)
+class CallArgs:
+    """A captured call: ``root.get_submodule(module)(*args, **kwargs)``."""
+
+    args: tuple = ()
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    module: str = ""
+
+
+@contextmanager
+def probe_mode(model: nn.Module, train: bool) -> Iterator[None]:
+    """The settings of a throwaway forward: every submodule in the mode asked for (each one's own flag back
+    afterwards), grad only in training, and quantized weights left as they are (no repacking, see
+    :func:`.bitsandbytes.repacking_4bit_layers`)."""
+    flags = [(m, m.training) for m in model.modules()]
+    model.train(train)
+    try:
+        with repacking_off(model), torch.set_grad_enabled(train):
+            yield
+    finally:
+        for m, training in flags:
+            m.training = training
+
+
+def _as_is(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+@contextmanager
+def isolated(model: nn.Module, train: bool) -> Iterator[None]:
+    """Run a throwaway forward (:func:`probe_mode`): RNG and buffers restored afterwards, and what it
+    saves for backward hidden from any saved-tensor hooks around it (a SavedTensorMeter measuring the
+    training step that triggered the surgery)."""
+    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+    devices = sorted({b.device.index for b in model.parameters() if b.device.type == "cuda"})
+    with torch.random.fork_rng(devices=devices), probe_mode(model, train):
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(_as_is, _as_is):
+                yield
+        finally:
+            with torch.no_grad():
+                for name, b in model.named_buffers():
+                    if name in buffers:
+                        b.copy_(buffers[name])
+
+
+def tensors_in(obj: Any) -> list[torch.Tensor]:
+    """The tensors in a (nested) model output: tensor, list, tuple, dict, HF ModelOutput."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, Mapping):
+        return [t for value in obj.values() for t in tensors_in(value)]
+    if isinstance(obj, (list, tuple)):
+        return [t for value in obj for t in tensors_in(value)]
+    return []
+
+
+def call(model: nn.Module, example: Any) -> Any:
+    """Call ``model`` the Lightning way: a tuple is positional args, a dict keyword args; a captured
+    :class:`CallArgs` is replayed as it was made."""
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    to_device = partial(tree_map, lambda t: t.to(device) if isinstance(t, torch.Tensor) else t)
+    if isinstance(example, CallArgs):
+        return model.get_submodule(example.module)(*to_device(example.args), **to_device(example.kwargs))
+    example = to_device(example)
+    if isinstance(example, tuple):
+        return model(*example)
+    if isinstance(example, Mapping):
+        return model(**example)
+    return model(example)
+
+
+def with_batch_size(example: Any, size: int) -> Any:
+    """``example`` with ``size`` rows: its tensors' rows (dim 0) repeated or cut, as a bigger or smaller batch."""
+
+    def resize(value: Any) -> Any:
+        if not isinstance(value, torch.Tensor) or value.dim() == 0:
+            return value
+        rows = torch.arange(size, device=value.device) % value.shape[0]
+        return value.index_select(0, rows)  # a tensor of its own (a slice would keep a bigger storage)
+
+    if isinstance(example, CallArgs):
+        return CallArgs(tree_map(resize, example.args), tree_map(resize, example.kwargs), example.module)
+    return tree_map(resize, example)
+
+
+def describe(example: Any) -> str:
+    """An example input in a line, e.g. ``model.backbone(tensor[8, 3, 32, 32], attention_mask=tensor[8, 16])``."""
+
+    def show(value: Any) -> str:
+        if isinstance(value, torch.Tensor):
+            return f"tensor[{', '.join(map(str, value.shape))}]"
+        return type(value).__name__
+
+    if isinstance(example, CallArgs):
+        args, kwargs, module = example.args, example.kwargs, example.module or "model"
+    elif isinstance(example, tuple):
+        args, kwargs, module = example, {}, "model"
+    elif isinstance(example, Mapping):
+        args, kwargs, module = (), example, "model"
+    else:
+        args, kwargs, module = (example,), {}, "model"
+    parts = [show(a) for a in args] + [f"{k}={show(v)}" for k, v in kwargs.items()]
+    return f"{module}({', '.join(parts)})"
+
+
+def batch_size(example: Any, owner: str) -> int:
+    """The batch size of ``example``: dim 0 of its tensors, which must agree (a ValueError naming ``owner``)."""
+    sizes = {t.shape[0] for t in tensors_in(example) if t.dim() > 0}
+    if len(sizes) != 1:
+        raise ValueError(f"{owner}: the example's tensors disagree on their batch size (dim 0): {sizes}")
+    return sizes.pop()

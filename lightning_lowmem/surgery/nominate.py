@@ -1,0 +1,108 @@
+"""The nominate stage: every candidate module of the registries' families, verified, or left alone with why.
+
+Gated MLPs come first, so that the activations inside the ones that fuse are theirs. Nothing here
+changes the model; :mod:`.probe` then traces the norms' outputs and :mod:`.plan` decides.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from lightning_lowmem.nn import GatedMLPBase, LowMemActivation, LowMemLinear, LowMemTransposedLinear, MemorySharingNorm
+from lightning_lowmem.surgery.identify import (
+    LinearKind,
+    LinearLayers,
+    NormSpec,
+    NotConvertible,
+    activation_of,
+    fused_gated_mlp,
+    gated_layout,
+    names_activation,
+    names_norm,
+    norm_spec,
+    unnamed_activation,
+)
+from lightning_lowmem.surgery.options import Options
+from lightning_lowmem.surgery.report import Entry, EntryKind
+
+CONVERTED: dict[type[nn.Module], EntryKind] = {
+    LowMemActivation: "activation",
+    GatedMLPBase: "gated MLP",
+    MemorySharingNorm: "norm",
+}
+"""The modules the surgery installs, by the kind of candidate they replaced."""
+
+# Surgery replaces a module in its parent; the model itself has none to be replaced in.
+_ROOT = "the model itself: modules are replaced in their parent, so convert a model that contains it"
+
+
+@dataclass
+class Candidates:
+    """Verified candidates by module name, and the entries of those already decided."""
+
+    activations: dict[str, str] = field(default_factory=dict)  # -> activation registry name
+    norms: dict[str, NormSpec] = field(default_factory=dict)
+    gated: dict[str, GatedMLPBase] = field(default_factory=dict)  # -> its verified fused replacement
+    linears: dict[str, LinearKind] = field(default_factory=dict)  # every linear layer not yet low-memory
+    entries: dict[str, Entry] = field(default_factory=dict)
+
+    def leave(self, name: str, kind: EntryKind, module: nn.Module, reason: str) -> None:
+        self.entries[name] = Entry(name, kind, type(module).__name__, "left alone", reason)
+
+
+def _already_converted(name: str, module: nn.Module) -> Entry | None:
+    for cls, kind in CONVERTED.items():
+        if isinstance(module, cls):
+            return Entry(name, kind, type(module).__name__, "already converted", "")
+    return None
+
+
+def nominate(model: nn.Module, options: Options) -> Candidates:
+    """Find and verify every candidate module; left-alone ones get their reason."""
+    found = Candidates()
+    named = dict(model.named_modules())
+    fused_activations: set[str] = set()
+    for name, module in named.items():
+        match = gated_layout(module) if options.gated and options.selected(name) else None
+        if match is None:
+            continue
+        if module is model:
+            found.leave(name, "gated MLP", module, _ROOT)
+            continue
+        try:
+            found.gated[name] = fused_gated_mlp(module, *match)
+            fused_activations.add(f"{name}.{match[0].activation}")
+        except NotConvertible as err:
+            found.leave(name, "gated MLP", module, str(err))
+    linear_layers = LinearLayers()
+    for name, module in named.items():
+        kind = None if isinstance(module, (LowMemLinear, LowMemTransposedLinear)) else linear_layers.kind(module)
+        if kind is not None:
+            found.linears[name] = kind
+        done = _already_converted(name, module)
+        if done is not None:
+            found.entries[name] = done
+        elif name in fused_activations or not options.selected(name):
+            continue
+        elif module is model and (names_activation(module) or names_norm(module)):
+            found.leave(name, "activation" if names_activation(module) else "norm", module, _ROOT)
+        elif options.activation and names_activation(module):
+            try:
+                found.activations[name] = activation_of(module).name
+            except NotConvertible as err:
+                found.leave(name, "activation", module, str(err))
+        elif options.norm and names_norm(module):
+            try:
+                found.norms[name] = norm_spec(module)
+            except NotConvertible as err:
+                found.leave(name, "norm", module, str(err))
+        elif options.activation and (unnamed := unnamed_activation(module)) is not None:
+            cls = type(module).__name__
+            found.leave(name, "activation", module, (
+                f"computes {unnamed.label}, but neither its class name nor a registration says so: "
+                f"lightning_lowmem.register_activation({cls}, like={unnamed.name!r}) converts it"
+            ))  # fmt: skip
+    return found
+
