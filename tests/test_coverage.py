@@ -313,7 +313,7 @@ def test_functional_sharing_is_undone_by_rollback_and_not_repeated():
     model, x = build(family), example(family)
     structure = repr(model)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr("lightning_lowmem.surgery.apply.check_same", lambda *a: (_ for _ in ()).throw(RuntimeError("x")))
+        patch.setattr("lightning_lowmem.surgery.apply.verify", lambda *a: (_ for _ in ()).throw(RuntimeError("x")))
         with pytest.raises(RuntimeError):
             apply_lowmem(model, example_input=x)
     assert repr(model) == structure and not model.blocks[0].attn._forward_pre_hooks

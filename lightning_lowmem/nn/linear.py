@@ -57,6 +57,8 @@ class _NormConsumer:
 class LowMemLinear(_NormConsumer, nn.Linear):
     """An ``nn.Linear`` that shares its input norm's saved tensor and never saves a weight copy."""
 
+    linear_kind = "linear"  # x @ weight.T + bias
+
     def __init__(
         self, in_features: int, out_features: int, bias: bool = True, norm: MemorySharingNorm | None = None
     ) -> None:
@@ -83,6 +85,8 @@ class LowMemLinear(_NormConsumer, nn.Linear):
 class LowMemTransposedLinear(_NormConsumer, nn.Module):
     """``x @ weight + bias`` with ``weight`` stored as ``(in_features, out_features)``, as Hugging Face's
     ``Conv1D`` (GPT-2) keeps it; otherwise :class:`LowMemLinear`."""
+
+    linear_kind = "transposed"  # x @ weight + bias
 
     def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, norm: MemorySharingNorm | None = None) -> None:
         super().__init__()

@@ -33,6 +33,7 @@ CONVERTED: dict[type[nn.Module], EntryKind] = {
     MemorySharingNorm: "norm",
 }
 """The modules the surgery installs, by the kind of candidate they replaced."""
+LOW_MEMORY_LINEARS = (LowMemLinear, LowMemTransposedLinear)
 
 # Surgery replaces a module in its parent; the model itself has none to be replaced in.
 _ROOT = "the model itself: modules are replaced in their parent, so convert a model that contains it"
@@ -45,7 +46,7 @@ class Candidates:
     activations: dict[str, str] = field(default_factory=dict)  # -> activation registry name
     norms: dict[str, NormSpec] = field(default_factory=dict)
     gated: dict[str, GatedMLPBase] = field(default_factory=dict)  # -> its verified fused replacement
-    linears: dict[str, LinearKind] = field(default_factory=dict)  # every linear layer not yet low-memory
+    linears: dict[str, LinearKind] = field(default_factory=dict)  # every linear layer not yet sharing a norm
     entries: dict[str, Entry] = field(default_factory=dict)
 
     def leave(self, name: str, kind: EntryKind, module: nn.Module, reason: str) -> None:
@@ -78,7 +79,10 @@ def nominate(model: nn.Module, options: Options) -> Candidates:
             found.leave(name, "gated MLP", module, str(err))
     linear_layers = LinearLayers()
     for name, module in named.items():
-        kind = None if isinstance(module, (LowMemLinear, LowMemTransposedLinear)) else linear_layers.kind(module)
+        if isinstance(module, LOW_MEMORY_LINEARS):  # a consumer already, or one a norm converted now may take
+            kind = module.linear_kind if module.norm is None else None
+        else:
+            kind = linear_layers.kind(module)
         if kind is not None:
             found.linears[name] = kind
         done = _already_converted(name, module)

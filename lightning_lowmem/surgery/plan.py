@@ -16,14 +16,13 @@ from lightning_lowmem.registry.activations import ACTIVATIONS
 from lightning_lowmem.registry.norms import NORMS
 from lightning_lowmem.surgery.bitsandbytes import is_frozen_4bit_linear
 from lightning_lowmem.surgery.identify import LinearKind, NormSpec, is_plain
-from lightning_lowmem.surgery.nominate import Candidates
+from lightning_lowmem.surgery.nominate import LOW_MEMORY_LINEARS, Candidates
 from lightning_lowmem.surgery.options import Options
 from lightning_lowmem.surgery.probe import Flow
 from lightning_lowmem.surgery.report import Entry, EntryKind
 
 _LOW_MEMORY_LINEARS: dict[LinearKind, type[LowMemLinear | LowMemTransposedLinear]] = {
-    "linear": LowMemLinear,
-    "transposed": LowMemTransposedLinear,
+    cls.linear_kind: cls for cls in LOW_MEMORY_LINEARS
 }
 
 
@@ -123,9 +122,10 @@ def make_plan(model: nn.Module, found: Candidates, flow: Flow, options: Options)
         replace(name, "norm", new, _norm_detail(name, spec, consumers, callers))
     for name, kind in found.linears.items():
         module = named[name]
-        if name in norm_of or (options.linear and options.selected(name) and is_plain(module)):
+        recasts = isinstance(module, LOW_MEMORY_LINEARS)  # converted by an earlier run, without a norm
+        if name in norm_of or (options.linear and options.selected(name) and is_plain(module) and not recasts):
             plan.replacements[module] = _LOW_MEMORY_LINEARS[kind].from_linear(module, norm=norm_of.get(name))
-            plan.linears += 1
+            plan.linears += not recasts
     for where, ops in flow.functional.items():
         was = "F." + "/F.".join(sorted(ops))
         plan.entries.append(Entry(where, "functional", was, "left alone", "called as a function, not a module"))
