@@ -23,6 +23,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks import zoo
 from benchmarks.common import interleaved_median, markdown_table, write_section
 from lightning_lowmem import apply_lowmem
 from lightning_lowmem.memory import MIB
@@ -34,13 +35,10 @@ BUDGETS = (0.6, 0.3)
 
 
 def vit(smoke: bool) -> tuple[nn.Module, torch.Tensor]:
-    import timm
-
     torch.manual_seed(0)
     if smoke:
-        model = timm.create_model("vit_small_patch16_224", pretrained=False, img_size=32, patch_size=8, depth=6)
-        return model, torch.randn(2, 3, 32, 32)
-    return timm.create_model("vit_small_patch16_224", pretrained=False), torch.randn(4, 3, 224, 224)
+        return zoo.vit("vit_small_patch16_224", tiny=False, img_size=32, patch_size=8, depth=6), zoo.images(2)
+    return zoo.vit("vit_small_patch16_224", tiny=False), zoo.images(4, 224)
 
 
 def checkpoint_every_block(model: nn.Module, example: torch.Tensor) -> BudgetPlan:

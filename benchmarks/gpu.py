@@ -33,8 +33,9 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks import zoo
 from benchmarks.common import interleaved_median, markdown_table, write_section
-from benchmarks.surgery import LLAMA_LORA, loss_of
+from benchmarks.surgery import loss_of
 from lightning_lowmem import apply_lowmem, functional, kernels
 from lightning_lowmem.memory import MIB
 
@@ -160,34 +161,22 @@ def time_ops(device: torch.device, backends: list[str], shrink: int, repeats: in
     return rows
 
 
-def lora(model: nn.Module, targets: list[str], rank: int) -> nn.Module:
-    from peft import LoraConfig, get_peft_model
-
-    config = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=targets)
-    return get_peft_model(model, config)
-
-
 def vit_b16(targets: list[str] | None, smoke: bool) -> nn.Module:
-    import timm
-
     tiny = {"img_size": 32, "patch_size": 8, "depth": 2, "embed_dim": 64, "num_heads": 2} if smoke else {}
-    model = timm.create_model("vit_base_patch16_224", pretrained=False, **tiny)
-    return model if targets is None else lora(model, targets, rank=4)
+    model = zoo.vit("vit_base_patch16_224", tiny=False, **tiny)
+    return model if targets is None else zoo.lora(model, targets)
 
 
 def llama_7b(smoke: bool) -> nn.Module:
     """LLaMA-7B shapes (transformers' LlamaConfig defaults), bf16 weights, LoRA r=64 on every linear."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     tiny = {"hidden_size": 64, "intermediate_size": 172, "num_hidden_layers": 2, "num_attention_heads": 4}
-    config = LlamaConfig(vocab_size=256, use_cache=False, **tiny) if smoke else LlamaConfig(use_cache=False)
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
-        model = LlamaForCausalLM(config)
+        model = zoo.llama(tiny=False, use_cache=False, **({"vocab_size": 256, **tiny} if smoke else {}))
     finally:
         torch.set_default_dtype(default)
-    return lora(model, LLAMA_LORA, rank=64)
+    return zoo.lora(model, zoo.LLAMA_LINEARS, r=64, lora_alpha=128)
 
 
 def enable_checkpointing(model: nn.Module) -> None:

@@ -25,8 +25,9 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks import zoo
 from benchmarks.common import interleaved_median, markdown_table, write_section
-from benchmarks.surgery import LLAMA_LORA, lora, saved_bytes, step_fn
+from benchmarks.surgery import saved_bytes, step_fn
 from lightning_lowmem import apply_lowmem, kernels
 from lightning_lowmem.memory import MIB
 
@@ -64,27 +65,23 @@ def freeze_lora_a(model: nn.Module) -> nn.Module:
 
 
 def vit_base(setting: str, smoke: bool) -> nn.Module:
-    import timm
-
-    kwargs = {"img_size": 32, "patch_size": 8, "depth": 2, "embed_dim": 64, "num_heads": 2} if smoke else {}
-    model = timm.create_model("vit_base_patch16_224", pretrained=False, **kwargs)
+    tiny = {"img_size": 32, "patch_size": 8, "depth": 2, "embed_dim": 64, "num_heads": 2} if smoke else {}
+    model = zoo.vit("vit_base_patch16_224", tiny=False, **tiny)
     targets, frozen_a = VIT_SETTINGS[setting]
     if targets is None:
         return model
-    model = lora(model, targets)
+    model = zoo.lora(model, targets)
     return freeze_lora_a(model) if frozen_a else model
 
 
 def llama_layer(smoke: bool) -> nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     shape = (
         {"hidden_size": 64, "intermediate_size": 172, "num_attention_heads": 4}
         if smoke
         else {"hidden_size": 4096, "intermediate_size": 11008, "num_attention_heads": 32}
     )
-    config = LlamaConfig(vocab_size=256, num_hidden_layers=1, max_position_embeddings=2048, **shape)
-    return lora(LlamaForCausalLM(config), LLAMA_LORA)
+    model = zoo.llama(tiny=False, vocab_size=256, num_hidden_layers=1, max_position_embeddings=2048, **shape)
+    return zoo.lora(model, zoo.LLAMA_LINEARS)
 
 
 def cuda_peak(model: nn.Module, batch: torch.Tensor, autocast: bool) -> float | None:

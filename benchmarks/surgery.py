@@ -27,6 +27,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks import zoo
 from benchmarks.common import interleaved_times, markdown_table, paired_ratio, write_section
 from benchmarks.zoo import FAMILIES, Family
 from lightning_lowmem import kernels
@@ -38,30 +39,19 @@ from lightning_lowmem.surgery import LowMemReport, apply_lowmem
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 VIT_LORA = {"LoRA on qkv only": ["qkv"], "LoRA on qkv, proj, fc1, fc2": ["qkv", "proj", "fc1", "fc2"]}
-LLAMA_LORA = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-def lora(model: nn.Module, targets: list[str]) -> nn.Module:
-    from peft import LoraConfig, get_peft_model
-
-    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets))
 
 
 def vit(setting: str, img_size: int = 224) -> nn.Module:
-    import timm
-
-    model = timm.create_model("vit_small_patch16_224", pretrained=False, img_size=img_size)
-    return lora(model, VIT_LORA[setting]) if setting in VIT_LORA else model
+    model = zoo.vit("vit_small_patch16_224", tiny=False, img_size=img_size)
+    return zoo.lora(model, VIT_LORA[setting]) if setting in VIT_LORA else model
 
 
 def llama() -> nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
+    model = zoo.llama(
         vocab_size=1024, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512,
     )  # fmt: skip
-    return lora(LlamaForCausalLM(config), LLAMA_LORA)
+    return zoo.lora(model, zoo.LLAMA_LINEARS)
 
 
 def loss_of(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
@@ -172,7 +162,7 @@ def zoo_row(family: Family) -> list[str]:
     ]
 
 
-def zoo() -> None:
+def zoo_table() -> None:
     header = [
         "family", "activations", "norms", "norms shared with", "gated MLPs", "saved KiB (fp32)", "left alone (why)"
     ]  # fmt: skip
@@ -202,7 +192,7 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="32x32 images, 16 tokens, two rows timed once, no writes")
     args = parser.parse_args()
     if args.zoo:
-        zoo()
+        zoo_table()
         return
     repeats = 1 if args.smoke else 5 if args.quick else 30
     time_rows = 2 if args.smoke else args.time_rows

@@ -1,9 +1,11 @@
-"""The model zoo of ``apply_lowmem``: tiny random-init models of the families people fine-tune.
+"""The model zoo: the random-init models the tests and benchmarks build, in one place; nothing is downloaded.
 
-One home for the configurations that ``tests/test_coverage.py`` checks and ``benchmarks/surgery.py
---zoo`` measures for the README table. Every model is fp32, dropout 0, hidden size 64, two layers
-(one encoder and one decoder layer for encoder-decoders), batch 2, sequence length 16 (images
-32x32 in patches of 8; EVA 28x28 in patches of 14); nothing is downloaded.
+- :func:`vit`, :func:`llama`, :func:`bert` and :func:`lora`: the models of the tests and benchmarks, tiny by
+  default (every size an argument), and :func:`images` / :func:`tokens` for their inputs.
+- :data:`FAMILIES`: the families ``tests/test_coverage.py`` checks and ``benchmarks/surgery.py --zoo``
+  measures for the README table. Every one is fp32, dropout 0, hidden size 64, two layers (one encoder
+  and one decoder layer for encoder-decoders), batch 2, sequence length 16 (images 32x32 in patches of
+  8; EVA 28x28 in patches of 14).
 """
 
 from __future__ import annotations
@@ -16,6 +18,60 @@ import torch
 from torch import nn
 
 BATCH, SEQ, HIDDEN, VOCAB = 2, 16, 64, 128
+LLAMA_LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+TINY_VIT = {"depth": 2, "img_size": 32, "patch_size": 8, "num_classes": 10}
+TINY_LLAMA = {
+    "vocab_size": VOCAB, "hidden_size": HIDDEN, "intermediate_size": 2 * HIDDEN, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
+}  # fmt: skip
+
+
+def vit(model_name: str = "vit_tiny_patch16_224", tiny: bool = True, **kwargs: Any) -> nn.Module:
+    """A timm ViT, ``tiny``: 2 blocks on 32x32 images in patches of 8, 10 classes (else timm's own sizes);
+    ``kwargs`` override."""
+    import timm
+
+    return timm.create_model(model_name, pretrained=False, **{**(TINY_VIT if tiny else {}), **kwargs})
+
+
+def images(batch: int = BATCH, size: int = 32, seed: int | None = None) -> torch.Tensor:
+    """A batch of random RGB images (from ``seed``'s own generator when given)."""
+    generator = None if seed is None else torch.Generator().manual_seed(seed)
+    return torch.randn(batch, 3, size, size, generator=generator)
+
+
+def llama(tiny: bool = True, **config: Any) -> nn.Module:
+    """A Hugging Face ``LlamaForCausalLM``, ``tiny``: hidden 64, intermediate 128, 2 layers, 4 heads (2 for keys
+    and values), vocabulary 128 (else ``LlamaConfig``'s defaults: LLaMA-7B); ``config`` overrides."""
+    import transformers
+
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**(TINY_LLAMA if tiny else {}), **config}))
+
+
+def bert(cls_name: str = "BertForSequenceClassification", **config: Any) -> nn.Module:
+    """A tiny Hugging Face BERT model (``cls_name``): hidden 64, intermediate 128, 2 layers, 4 heads, vocabulary
+    128, 3 labels, dropout 0; ``config`` overrides any ``BertConfig`` field."""
+    import transformers
+
+    defaults = {**_BERTISH, "intermediate_size": 2 * HIDDEN}
+    return getattr(transformers, cls_name)(transformers.BertConfig(**{**defaults, **config}))
+
+
+def lora(model: nn.Module, targets: list[str], random_b: bool = False, **config: Any) -> nn.Module:
+    """``model`` with peft LoRA adapters on ``targets``: by default r 4, alpha 8, dropout 0 (``config``
+    overrides any ``LoraConfig`` field); ``random_b`` draws B at random, so that the adapters change the
+    function from the start."""
+    import peft
+
+    defaults = {"r": 4, "lora_alpha": 8, "lora_dropout": 0.0}
+    model = peft.get_peft_model(model, peft.LoraConfig(target_modules=targets, **{**defaults, **config}))
+    if random_b:
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                nn.init.normal_(param, std=0.02)
+    return model
 
 
 @dataclass(frozen=True)
@@ -84,18 +140,7 @@ _BERTISH = {
     "attention_probs_dropout_prob": 0.0,
     "num_labels": 3,
 }
-_DECODER = {
-    "vocab_size": VOCAB,
-    "hidden_size": HIDDEN,
-    "intermediate_size": 2 * HIDDEN,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 64,
-    "pad_token_id": 0,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-}
+_DECODER = {**TINY_LLAMA, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 
 FAMILIES: dict[str, Family] = {
     family.name: family

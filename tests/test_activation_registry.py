@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from lightning_lowmem.approx.__main__ import render
-from lightning_lowmem.registry import activations as activation_registry, step_tables
+from lightning_lowmem.registry import activations as activation_registry
+from lightning_lowmem.registry import step_tables
 from lightning_lowmem.registry.activations import (
     ACTIVATIONS,
     GELU_2BIT,

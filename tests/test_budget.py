@@ -12,6 +12,7 @@ import torch
 from conftest import run_ddp_script
 from torch import nn
 
+from benchmarks import zoo
 from lightning_lowmem import LowMemBP, PeakMemoryMonitor, apply_lowmem, max_batch_size, plan
 from lightning_lowmem.lightning import plots
 from lightning_lowmem.memory import MIB, SavedTensorMeter
@@ -23,7 +24,7 @@ transformers = pytest.importorskip("transformers")
 
 def vit_small() -> nn.Module:
     torch.manual_seed(0)  # ViT-S's 12 blocks at a small image: the model, quick on a CPU
-    return timm.create_model("vit_small_patch16_224", pretrained=False, num_classes=10, img_size=64)
+    return zoo.vit("vit_small_patch16_224", depth=12, img_size=64, patch_size=16)
 
 
 def images(batch: int = 4) -> torch.Tensor:
@@ -116,11 +117,7 @@ def test_a_budgeted_model_keeps_its_state_dict_and_pickles(need):
 
 
 def test_hugging_face_layers_are_found_and_named_blocks_override():
-    config = transformers.LlamaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2,
-    )  # fmt: skip
-    model = transformers.LlamaForCausalLM(config)
+    model = zoo.llama(num_hidden_layers=3)
     assert find_blocks(model) == ["model.layers.0", "model.layers.1", "model.layers.2"]
     assert find_blocks(model, ["model.layers.[02]"]) == ["model.layers.0", "model.layers.2"]
     tokens = torch.randint(0, 128, (2, 16))

@@ -12,6 +12,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from benchmarks import zoo
 from lightning_lowmem.lightning import LowMemBP, PeakMemoryMonitor
 from lightning_lowmem.nn import GatedMLP, LowMemLinear, MemorySharingNorm
 
@@ -145,11 +146,11 @@ class Arch(pl.LightningModule):
 
     def __init__(self, arch: str) -> None:
         super().__init__()
-        from test_surgery import image, tiny_llama, tiny_vit, tokens
+        from test_surgery import tiny_llama, tiny_vit
 
         self.arch = arch
         self.net = tiny_vit(["qkv", "fc1"]) if arch == "vit" else tiny_llama()
-        self.example_input_array = image() if arch == "vit" else tokens()
+        self.example_input_array = zoo.images() if arch == "vit" else zoo.tokens()
 
     def forward(self, x):
         out = self.net(x)
@@ -191,15 +192,13 @@ class Backbone(pl.LightningModule):
     """A LightningModule that sets no ``example_input_array`` (as most do) and calls its backbone from
     ``training_step``: a timm ViT, or a Hugging Face model fed dict batches."""
 
-    def __init__(self, arch: str, **kwargs) -> None:
+    def __init__(self, arch: str) -> None:
         super().__init__()
         from test_surgery import tiny_bert
 
         self.arch = arch
         if arch == "vit":
-            self.model = timm.create_model(
-                "vit_tiny_patch16_224", pretrained=False, num_classes=4, img_size=32, patch_size=8, **kwargs
-            )
+            self.model = zoo.vit(num_classes=4, depth=12)
         else:
             self.model = tiny_bert()
 

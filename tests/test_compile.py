@@ -12,12 +12,12 @@ import operator
 import os
 
 import pytest
-import timm
 import torch
 from torch import nn
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
+from benchmarks import zoo
 from lightning_lowmem import apply_lowmem, kernels
 from lightning_lowmem.kernels import library, torch_ops
 from lightning_lowmem.memory import SavedTensorMeter
@@ -139,29 +139,16 @@ def test_a_norm_and_its_reader_compile_whole(affine):
 
 
 def vit() -> tuple[torch.nn.Module, torch.Tensor]:
-    model = timm.create_model(
-        "vit_tiny_patch16_224", pretrained=False, num_classes=10, img_size=32, patch_size=8, depth=2
-    )
-    return model, torch.randn(2, 3, 32, 32)
+    return zoo.vit(), zoo.images()
 
 
 def llama_lora() -> tuple[torch.nn.Module, dict]:
-    config = transformers.LlamaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2,
-    )  # fmt: skip
-    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    lora = peft.LoraConfig(r=4, target_modules=targets, lora_dropout=0.0)
-    model = peft.get_peft_model(transformers.LlamaForCausalLM(config), lora)
+    model = zoo.lora(zoo.llama(intermediate_size=160), zoo.LLAMA_LINEARS)
     return model, {"input_ids": torch.randint(0, 128, (2, 16))}
 
 
 def bert() -> tuple[torch.nn.Module, dict]:
-    config = transformers.BertConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-    )  # fmt: skip
-    return transformers.BertForMaskedLM(config), {"input_ids": torch.randint(0, 128, (2, 16))}
+    return zoo.bert("BertForMaskedLM"), {"input_ids": torch.randint(0, 128, (2, 16))}
 
 
 @pytest.fixture

@@ -25,6 +25,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from benchmarks import zoo
 from lightning_lowmem import LowMemFSDPPrecision, LowMemPrecision
 from lightning_lowmem.lightning import LowMemBP
 from lightning_lowmem.memory import SavedTensorMeter
@@ -35,9 +36,7 @@ timm = pytest.importorskip("timm")
 
 
 def vit() -> torch.nn.Module:
-    return timm.create_model(
-        "vit_tiny_patch16_224", pretrained=False, depth=2, img_size=32, patch_size=8, num_classes=10
-    )
+    return zoo.vit()
 
 
 def images(n: int = 8) -> tuple[torch.Tensor, torch.Tensor]:

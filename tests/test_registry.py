@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import runpy
 import subprocess
 import sys
 
@@ -165,21 +166,21 @@ def test_an_activation_without_fitted_tables_is_an_error_at_fit_time_not_at_impo
         Activation("softsign", "Softsign", F.softsign, gated="SoftGLU")
 
 
-def test_the_generator_fits_a_new_entry_and_keeps_every_committed_table(monkeypatch, capsys):
+def test_the_generator_fits_a_new_entry_and_keeps_every_committed_table(monkeypatch, tmp_path):
     committed = list(ACTIVATIONS)
     monkeypatch.setitem(ACTIVATIONS, "softsign", Activation("softsign", "Softsign", F.softsign, pattern="softsign"))
-    monkeypatch.setattr(sys, "argv", ["approx", "--bits", "1", "--activations", "softsign"])
-    generator.main()  # prints the file it would write
-    text = capsys.readouterr().out
-    namespace: dict = {}
-    exec(text[text.index("TABLES: dict"):], namespace)  # the generated module's body
-    assert list(namespace["TABLES"]) == [*committed, "softsign"] and list(namespace["TABLES"]["softsign"]) == [1]
+    monkeypatch.setattr(generator, "TABLE_PATH", tmp_path / "step_tables.py")
+    monkeypatch.setattr(sys, "argv", ["approx", "--write", "--bits", "1", "--activations", "softsign"])
+    generator.main()
+    tables = runpy.run_path(str(tmp_path / "step_tables.py"))["TABLES"]
+    assert list(tables) == [*committed, "softsign"] and list(tables["softsign"]) == [1]
     for name in committed:
-        assert namespace["TABLES"][name] == generator.step_tables.TABLES[name]
+        assert tables[name] == generator.step_tables.TABLES[name]
 
 
 def test_the_generator_refuses_an_unknown_activation():
     result = subprocess.run(
-        [sys.executable, "-m", "lightning_lowmem.approx", "--activations", "relu"], capture_output=True, text=True
-    )
+        [sys.executable, "-m", "lightning_lowmem.approx", "--activations", "relu"],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
     assert result.returncode == 2 and "unknown activations ['relu']" in result.stderr

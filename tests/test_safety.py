@@ -13,16 +13,17 @@ import copy
 import lightning.pytorch as pl
 import pytest
 import torch
-from test_surgery import Custom, logits, plain_bert, tiny_llama, tokens
+from test_surgery import Custom, logits, plain_bert, tiny_llama
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from benchmarks import zoo
 from lightning_lowmem import LowMemBP, apply_lowmem
 from lightning_lowmem.memory import SavedTensorMeter
 from lightning_lowmem.nn import LowMemLinear, MemorySharingNorm
+from lightning_lowmem.surgery import ExampleInputError
 from lightning_lowmem.surgery import apply as apply_module
 from lightning_lowmem.surgery import verify as verify_module
-from lightning_lowmem.surgery import ExampleInputError
 
 timm = pytest.importorskip("timm")
 peft = pytest.importorskip("peft")
@@ -32,17 +33,14 @@ transformers = pytest.importorskip("transformers")
 # -- half-precision models ------------------------------------------------------------------
 def half_model(family: str) -> tuple[nn.Module, torch.Tensor]:
     if family == "vit":
-        model = timm.create_model(
-            "vit_tiny_patch16_224", pretrained=False, num_classes=4, img_size=32, patch_size=8, depth=2
-        )
-        return model, torch.randn(2, 3, 32, 32)
+        return zoo.vit(num_classes=4), zoo.images()
     if family == "bert":
-        return plain_bert(mlm=True), tokens()
+        return plain_bert(mlm=True), zoo.tokens()
     config = transformers.GPTNeoXConfig(
         vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         max_position_embeddings=64, hidden_dropout=0.0, attention_dropout=0.0,
     )  # fmt: skip
-    return transformers.GPTNeoXForCausalLM(config), tokens()
+    return transformers.GPTNeoXForCausalLM(config), zoo.tokens()
 
 
 def outputs(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -94,7 +92,7 @@ def step(model: nn.Module, x: torch.Tensor, autocast: bool) -> tuple[torch.Tenso
 @pytest.mark.parametrize("autocast", [False, True], ids=["no autocast", "bf16 autocast"])
 @pytest.mark.parametrize("adapters_fp32", [True, False], ids=["fp32 adapters", "bf16 adapters"])
 def test_lora_on_a_bf16_base_works_as_stock_and_shares_the_norm_output(adapters_fp32, autocast):
-    stock, x = bf16_llama_lora(adapters_fp32), tokens()
+    stock, x = bf16_llama_lora(adapters_fp32), zoo.tokens()
     model = copy.deepcopy(stock)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         report = apply_lowmem(model, example_input=x)

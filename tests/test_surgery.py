@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from benchmarks import zoo
 from lightning_lowmem.memory import SavedTensorMeter
 from lightning_lowmem.nn import GatedMLP, LowMemLinear, MemorySharingNorm, ReGELU2, ReSiLU2
 from lightning_lowmem.surgery import apply as apply_module
@@ -20,40 +21,17 @@ transformers = pytest.importorskip("transformers")
 
 
 # -- models --------------------------------------------------------------------------------
-def tiny_vit(lora: list[str] | None = None, dropout: float = 0.0) -> nn.Module:
-    model = timm.create_model(
-        "vit_small_patch16_224", pretrained=False, depth=2, img_size=32, patch_size=8,
-        embed_dim=64, num_heads=2, num_classes=5,
-    )  # fmt: skip
-    return with_lora(model, lora, dropout) if lora else model
+def tiny_vit(targets: list[str] | None = None, dropout: float = 0.0) -> nn.Module:
+    model = zoo.vit("vit_small_patch16_224", embed_dim=64, num_heads=2, num_classes=5)
+    return zoo.lora(model, targets, random_b=True, lora_dropout=dropout) if targets else model
 
 
-def with_lora(model: nn.Module, targets: list[str], dropout: float = 0.0) -> nn.Module:
-    config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules=targets)
-    model = peft.get_peft_model(model, config)
-    for name, param in model.named_parameters():  # random B so LoRA changes the function
-        if "lora_B" in name:
-            nn.init.normal_(param, std=0.02)
-    return model
-
-
-def tiny_llama(lora: bool = True) -> nn.Module:
-    config = transformers.LlamaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-    )  # fmt: skip
-    model = transformers.LlamaForCausalLM(config)
-    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    return with_lora(model, targets) if lora else model
+def tiny_llama() -> nn.Module:
+    return zoo.lora(zoo.llama(), zoo.LLAMA_LINEARS, random_b=True)
 
 
 def tiny_bert() -> nn.Module:
-    config = transformers.BertConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, max_position_embeddings=64, num_labels=3, hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-    )  # fmt: skip
-    return with_lora(transformers.BertForSequenceClassification(config), ["query", "value"])
+    return zoo.lora(zoo.bert(), ["query", "value"], random_b=True)
 
 
 class Custom(nn.Module):
@@ -80,14 +58,6 @@ class Custom(nn.Module):
         c = self.norm_c(x)
         x = c + self.acts[1](self.mix(c))
         return self.head(x)
-
-
-def image() -> torch.Tensor:
-    return torch.randn(2, 3, 32, 32)
-
-
-def tokens() -> torch.Tensor:
-    return torch.randint(0, 128, (2, 16))
 
 
 def logits(out) -> torch.Tensor:
@@ -142,7 +112,7 @@ VIT_SETTINGS = {"full": None, "lora_qkv": ["qkv"], "lora_all": ["qkv", "proj", "
 @pytest.mark.parametrize("setting", list(VIT_SETTINGS))
 def test_vit(setting):
     build = lambda: tiny_vit(VIT_SETTINGS[setting])
-    stock, x = build(), image()
+    stock, x = build(), zoo.images()
     model, report = converted(stock, x)
     assert isinstance(model.get_submodule(prefix(model) + "blocks.0.mlp.act"), ReGELU2)
     for block in ("blocks.0", "blocks.1"):
@@ -172,7 +142,7 @@ def test_vit_lora_fa_and_lora_gradients():
     for name, param in stock.named_parameters():
         if "lora_A" in name:
             param.requires_grad_(False)  # LoRA-FA: A frozen, B trained
-    x = image()
+    x = zoo.images()
     model, report = converted(stock, x, activation=False)
     assert report.status("base_model.model.blocks.0.norm1") == "converted"
     g_stock, g_model = grads(stock, x), grads(model, x)
@@ -182,22 +152,22 @@ def test_vit_lora_fa_and_lora_gradients():
 
 def test_lora_dropout_breaks_sharing_and_is_reported():
     stock = tiny_vit(["qkv"], dropout=0.1)
-    model, report = converted(stock, image(), activation=False)
+    model, report = converted(stock, zoo.images(), activation=False)
     entry = next(e for e in report.entries if e.name == "base_model.model.blocks.0.norm1")
     assert entry.status == "left alone" and "LoRA dropout" in entry.detail
     assert report.status("base_model.model.blocks.0.norm2") == "converted"  # fc1 has no LoRA
     torch.manual_seed(1)
-    g_stock = grads(stock, image())
+    g_stock = grads(stock, zoo.images())
     torch.manual_seed(1)
-    assert_grads_close(g_stock, grads(model, image()))
+    assert_grads_close(g_stock, grads(model, zoo.images()))
 
 
 def test_autocast_shares_norm_output_and_saves_no_weight_copy():
     stock = tiny_vit()
-    model, _ = converted(stock, image())
+    model, _ = converted(stock, zoo.images())
     model.train()
     with torch.autocast("cpu", dtype=torch.bfloat16), SavedTensorMeter(model) as meter:
-        out = model(image())
+        out = model(zoo.images())
     weight_shapes = {tuple(p.shape) for p in model.parameters() if p.dim() == 2}
     half_records = [r for r in meter.records if r.dtype == torch.bfloat16]
     assert not [r for r in half_records if r.shape in weight_shapes]
@@ -225,7 +195,7 @@ def test_swin_roll_keeps_norm1():
 # -- Hugging Face ---------------------------------------------------------------------------
 def test_llama_lora():
     torch.manual_seed(0)
-    stock, x = tiny_llama(), tokens()
+    stock, x = tiny_llama(), zoo.tokens()
     model, report = converted(stock, x)
     base = "base_model.model.model."
     assert report.status(base + "layers.0.input_layernorm") == "converted"
@@ -245,20 +215,14 @@ def test_llama_lora():
         assert saved(model, x, autocast) < 0.9 * saved(stock, x, autocast)
 
 
-def plain_bert(mlm: bool = False) -> nn.Module:
-    config = transformers.BertConfig(  # BERT's proportions (intermediate = 4 x hidden), tiny
-        vocab_size=128, hidden_size=64, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=4, max_position_embeddings=64, num_labels=3, hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-    )  # fmt: skip
-    cls = transformers.BertForMaskedLM if mlm else transformers.BertForSequenceClassification
-    return cls(config)
+def plain_bert(mlm: bool = False) -> nn.Module:  # BERT's proportions (intermediate = 4 x hidden), tiny
+    return zoo.bert("BertForMaskedLM" if mlm else "BertForSequenceClassification", intermediate_size=256)
 
 
 def test_bert_post_ln_norms_convert_and_residual_readers_get_the_stock_output():
     """Post-LN: each LayerNorm feeds the next sublayer's linears *and* the residual add."""
     torch.manual_seed(0)
-    stock, x = tiny_bert(), tokens()
+    stock, x = tiny_bert(), zoo.tokens()
     model, report = converted(stock, x)
     base = "base_model.model.bert."
     assert report.status(base + "encoder.layer.0.intermediate.intermediate_act_fn") == "converted"
@@ -274,7 +238,7 @@ def test_bert_post_ln_norms_convert_and_residual_readers_get_the_stock_output():
 
 def test_bert_full_fine_tuning_saves_a_third_and_converts_two_norms_per_layer():
     torch.manual_seed(0)
-    stock, x = plain_bert(), tokens()
+    stock, x = plain_bert(), zoo.tokens()
     model, report = converted(stock, x)
     assert not [e for e in report.entries if e.kind == "norm" and e.status != "converted"]
     assert "shared with bert.pooler.dense" in report.entries[-1].detail  # the pooler reads a slice of its rows
@@ -288,7 +252,7 @@ def test_bert_full_fine_tuning_saves_a_third_and_converts_two_norms_per_layer():
 def test_readers_the_example_call_never_exercised_get_the_stock_output():
     """hidden states asked for later, a kwarg-gated branch, a forward hook on the norm's output."""
     torch.manual_seed(0)
-    stock, x = plain_bert(mlm=True), tokens()
+    stock, x = plain_bert(mlm=True), zoo.tokens()
     model, report = converted(stock, x)  # the example call returns logits only
     last = "bert.encoder.layer.1.output.LayerNorm"
     assert report.status(last) == "converted"
@@ -476,6 +440,6 @@ def test_failed_verification_rolls_back(monkeypatch):
 
 
 def test_peft_input_cast_is_switched_off():
-    model, _ = converted(tiny_vit(["qkv"]), image())
+    model, _ = converted(tiny_vit(["qkv"]), zoo.images())
     assert model.base_model.model.blocks[0].attn.qkv.cast_input_dtype_enabled is False
     assert model.base_model.model.blocks[0].mlp.fc1.__class__ is LowMemLinear

@@ -1,6 +1,6 @@
 """Kernel backends behind the low-memory ops, and which one runs.
 
-Four implementations share one contract (see :mod:`.torch_ops`): ``"torch"`` (pure PyTorch,
+Four implementations share one contract (see :mod:`.contract`): ``"torch"`` (pure PyTorch,
 always available), ``"cpp"`` (compiled CPU kernels), ``"cuda"`` (compiled GPU kernels), both
 JIT-built from ``csrc/`` on first use (see :mod:`.build`) and run as the ``torch.ops.lowmem``
 operators (see :mod:`.library`), and ``"triton"`` (GPU kernels that Triton, shipped with torch,

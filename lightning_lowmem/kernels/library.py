@@ -1,6 +1,6 @@
 """The kernels as PyTorch operators, ``torch.ops.lowmem.*``: seen by the dispatcher and by torch.compile.
 
-One schema per function of the kernel contract (:mod:`.torch_ops`). Who computes an operator is
+One schema per function of the kernel contract (:mod:`.contract`). Who computes an operator is
 the dispatcher's business:
 
 - the C++ extensions register the ``CPU`` and ``CUDA`` kernels (``TORCH_LIBRARY_IMPL`` in
@@ -186,4 +186,4 @@ def _stock_activation_fake(x: torch.Tensor, kind: str) -> torch.Tensor:
 
 
 OPS = getattr(torch.ops, NAMESPACE)
-"""The operators' namespace: ``OPS.act_codes(x, thresholds)`` etc., the contract of :mod:`.torch_ops`."""
+"""The operators' namespace: ``OPS.act_codes(x, thresholds)`` etc., the contract of :mod:`.contract`."""

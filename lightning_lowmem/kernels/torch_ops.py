@@ -1,58 +1,7 @@
-"""Pure-PyTorch reference implementation of the low-memory kernels.
+"""Pure-PyTorch reference implementation of the kernel contract (:mod:`.contract`).
 
-Every backend (this one, the C++ and CUDA extensions, and the Triton kernels) implements the
-same functions with the same contract, so the autograd functions in
-:mod:`lightning_lowmem.ops` never know which one runs:
-
-- ``act_codes(x, thresholds) -> packed``: the uint8 buffer of ``ceil(numel*k/8)`` bytes holding
-  ``code = sum(x > t_i)`` for every element in row-major order. With ``n = len(thresholds)``
-  (ascending) codes take ``k = storage_bits(n)`` bits: 1 for one threshold, 2 for two or three, 4
-  for four to fifteen (3-bit tables pack as 4); ``8/k`` codes per byte, element ``i`` in bits
-  ``k*(i % (8/k))`` of byte ``i // (8/k)`` (the legacy 2-bit layout is ``n = 3``). Thresholds are
-  compared in fp32 (fp64 for fp64 input). The activation itself is no kernel's business: the op
-  computes it with the stock PyTorch function, so any activation works with the codes.
-- ``act_forward(x, kind, thresholds) -> (y, packed)``: for a contiguous ``x``, ``y`` is ``stock_activation(x, kind)`` bit
-  for bit (``kind``: ``"silu"``, ``"gelu"`` or ``"gelu_tanh"``) and ``packed`` is ``act_codes(x,
-  thresholds)``; a backend may compute both in one pass (the CPU kernels do for fp32 SiLU).
-- ``act_backward(grad, packed, levels) -> grad_input``: ``grad * levels[code]``, computed in
-  fp32 (fp64 for fp64 grads) and returned in ``grad``'s dtype and shape; ``len(levels)`` is
-  ``len(thresholds) + 1``, which fixes the storage bits.
-- ``norm_forward(x, dim, eps, center, out_dtype) -> (z, rstd)``: ``x`` is contiguous and
-  normalized over its trailing ``dim`` elements; ``z`` (shape of ``x``, ``out_dtype``) is the
-  affine-free output and ``rstd`` (one per row, fp32, fp64 for fp64 input) the reciprocal
-  standard deviation. ``center`` selects LayerNorm (True) or RMSNorm (False).
-- ``norm_affine_forward(x, dim, eps, center, out_dtype, scale, shift) -> (y, z, rstd)``: ``norm_forward``
-  and the norm's output ``y = scale * z + shift`` (``dim`` values each in ``rstd``'s dtype, either None
-  for none but not both), computed in that dtype from ``z`` as stored (rounded to ``out_dtype``) and
-  returned in ``out_dtype``: what a stock affine of ``z`` gives, to one rounding (a compiler may fuse the
-  multiply-add; the CPU kernels write ``y`` in the pass that writes ``z``).
-- ``norm_backward(grad, z, rstd, scale, dim, center, dtype, column_sums) -> (grad_input, sums)``:
-  the gradients of ``y = scale * z + beta`` (the norm with its affine; ``grad`` is ``dL/dy`` in
-  ``z``'s dtype): the paper's algorithms 2-3 applied to ``grad * scale`` (``scale``: ``dim``
-  values in the accumulate dtype, or None for none), from the saved output and rstd only,
-  returned in ``dtype``; with ``column_sums``, ``sums`` holds ``sum(grad * z)`` and ``sum(grad)``
-  over the rows (the gradients of ``gamma`` and ``beta``; shape ``(2, dim)``, accumulate dtype),
-  else it is empty. One pass computes what stock LayerNorm's backward computes.
-- ``norm_exact_columns(scale, shift) -> columns``: the columns where ``z = (y - shift) / scale`` loses
-  precision (ascending int64 indices; how many depends on the values): ``scale`` 0, or ``|shift| >
-  |scale|`` (a missing scale is 1).
-- ``norm_output_forward(x, dim, eps, center, out_dtype, scale, shift, columns) -> (y, rstd, exact)``:
-  ``norm_affine_forward`` for a norm that saves its output ``y`` rather than ``z`` (a frozen affine): no
-  ``z`` is written, ``y`` is rounded once, from ``z`` unrounded (as stock's), and ``exact`` (rows x
-  ``len(columns)``, ``out_dtype``) holds ``z`` at the ``columns`` (ascending int64 indices, each once:
-  the affine's ``norm_exact_columns``).
-- ``norm_output_backward(grad, y, rstd, scale, shift, columns, exact, dim, center, dtype) -> grad_input``:
-  ``norm_backward``'s input gradient with ``z = (y - shift) / scale`` rebuilt from the saved output, except
-  at ``columns`` (ascending int64 indices, each once), whose ``z`` is ``exact``. A compiled kernel reads ``y``
-  where the other reads ``z``.
-- ``gated_backward(grad, gate, second, kind, act) -> (grad_gate, grad_up)``: gradients of
-  ``h = act(gate) * up`` (all tensors one dtype and shape; ``kind`` is ``"silu"``, ``"gelu"`` or
-  ``"gelu_tanh"``), computed in fp32 (fp64 for fp64) with ``act'`` evaluated from ``gate``. With
-  ``act=None``, ``second`` is ``up`` and ``act`` is evaluated from ``gate`` too (rounded to the
-  dtype, as the forward's product saw it). Otherwise ``act`` is the forward's own ``act(gate)``
-  tensor and ``second`` the output ``h``, from which ``up = h / act`` (0 where ``act == 0``): only
-  the very bits the forward multiplied with recover ``up`` to rounding (a recomputed ``act`` one
-  ulp off costs ~1e-5 relative error in GELU's negative tail).
+It runs wherever no compiled backend does, is the ``torch.ops.lowmem`` operators' fallback kernel, and
+is what the tests hold every other backend to.
 """
 
 from __future__ import annotations

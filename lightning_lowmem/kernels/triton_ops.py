@@ -1,4 +1,4 @@
-"""Triton implementation of the kernel contract of :mod:`.torch_ops`: the GPU path without nvcc.
+"""Triton implementation of the kernel contract (:mod:`.contract`): the GPU path without nvcc.
 
 Triton ships with torch on Linux and compiles for the GPU at run time, so a pip-installed torch
 runs these kernels where the CUDA C++ extension cannot be built. With ``TRITON_INTERPRET=1`` in

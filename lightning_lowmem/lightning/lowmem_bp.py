@@ -30,7 +30,14 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightning_lowmem.lightning.precision import refuse_deepspeed
-from lightning_lowmem.surgery import CallArgs, LowMemReport, Options, apply_lowmem, convert_at_first_forward, takes_options
+from lightning_lowmem.surgery import (
+    CallArgs,
+    LowMemReport,
+    Options,
+    apply_lowmem,
+    convert_at_first_forward,
+    takes_options,
+)
 
 
 @takes_options

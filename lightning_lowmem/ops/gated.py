@@ -22,6 +22,7 @@ import torch
 from lightning_lowmem import kernels
 from lightning_lowmem.ops._checks import check_float_tensor, needs_graph, refuse_double_backward
 from lightning_lowmem.registry.activations import get_activation
+
 MODES = ("gate_up", "gate")
 
 

@@ -68,7 +68,7 @@ class Options:
         record the saved-for-backward bytes of one forward before and after."""))
 
     def __post_init__(self) -> None:
-        set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 - frozen: normalise once
+        set_ = lambda name, value: object.__setattr__(self, name, value)
         for name in ("activation", "norm", "linear", "gated"):
             set_(name, _switch(getattr(self, name), name))
         for name in ("include", "exclude", "checkpoint"):
@@ -78,7 +78,7 @@ class Options:
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget <= 0):
             raise ValueError(f"apply_lowmem: budget_mib must be a positive number of MiB, got {budget!r}")
         for name in ("verify", "measure"):
-            if not isinstance(getattr(self, name), bool):
+            if getattr(self, name) not in (True, False):
                 raise ValueError(f"apply_lowmem: {name} must be True or False, got {getattr(self, name)!r}")
 
     @classmethod
