@@ -119,7 +119,7 @@ def main() -> None:
         "k-bit step derivative (forward unchanged). Cosine of the full parameter gradient, and the worst "
         "cosine over the encoder's weight matrices. Saved bytes per activation element: k/8 (3-bit codes are stored in 4 bits). "
         "2-bit GELU/SiLU use the paper's constants; everything else the fitted tables "
-        "(`lightning_lowmem/ops/step_tables.py`, `python -m lightning_lowmem.approx --write`). The fit minimises the "
+        "(`lightning_lowmem/registry/step_tables.py`, `python -m lightning_lowmem.approx --write`). The fit minimises the "
         "paper's L2 distance between the activations (not between their derivatives), so fewer bits are not always "
         "worse for the gradient: at 1 bit the step sits near 0 (a ReLU derivative), which here tracks the exact "
         "gradient better than the paper's 2-bit point; 3 bits (stored in 4) is the first clear gain.\n\n" + table

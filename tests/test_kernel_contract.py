@@ -14,7 +14,9 @@ from lightning_lowmem.kernels import build, library, torch_ops
 from lightning_lowmem.kernels.contract import KernelContract
 from lightning_lowmem.registry.activations import ACTIVATIONS
 
-CONTRACT = sorted(name for name, _ in inspect.getmembers(KernelContract, inspect.isfunction) if not name.startswith("_"))
+CONTRACT = sorted(
+    name for name, _ in inspect.getmembers(KernelContract, inspect.isfunction) if not name.startswith("_")
+)
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
 
 
@@ -24,7 +26,18 @@ def parameters(function) -> list[str]:
 
 def test_the_contract_lists_every_op_and_the_operators_add_only_the_opaque_stock_activation():
     assert CONTRACT == sorted(
-        ["act_codes", "act_forward", "act_backward", "norm_forward", "norm_affine_forward", "norm_backward", "norm_exact_columns", "norm_output_forward", "norm_output_backward", "gated_backward"]
+        [
+            "act_codes",
+            "act_forward",
+            "act_backward",
+            "norm_forward",
+            "norm_affine_forward",
+            "norm_backward",
+            "norm_exact_columns",
+            "norm_output_forward",
+            "norm_output_backward",
+            "gated_backward",
+        ]
     )
     assert set(library.SCHEMAS) == {*CONTRACT, "stock_activation"}
 

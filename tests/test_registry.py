@@ -62,7 +62,13 @@ class Block(nn.Module):
 
     def __init__(self, norm: nn.Module, act: nn.Module, dim: int = 32) -> None:
         super().__init__()
-        self.norm, self.up, self.gate, self.act, self.down = norm, nn.Linear(dim, 64), nn.Linear(dim, 64), act, nn.Linear(64, dim)
+        self.norm, self.up, self.gate, self.act, self.down = (
+            norm,
+            nn.Linear(dim, 64),
+            nn.Linear(dim, 64),
+            act,
+            nn.Linear(64, dim),
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.norm(x)
@@ -159,8 +165,11 @@ def test_a_registered_norm_is_kept_in_fp32_by_the_precision_plugin():
 def test_an_activation_without_fitted_tables_is_an_error_at_fit_time_not_at_import():
     entry = Activation("softsign", "Softsign", F.softsign, pattern="softsign")
     assert entry.steps == {}
-    with pytest.raises(ValueError, match="no 2-bit step derivative of Softsign has been fitted; run "
-                       "`python -m lightning_lowmem.approx --write --activations softsign`"):
+    with pytest.raises(
+        ValueError,
+        match="no 2-bit step derivative of Softsign has been fitted; run "
+        "`python -m lightning_lowmem.approx --write --activations softsign`",
+    ):
         entry.step_derivative(2)
     with pytest.raises(ValueError, match="a gated MLP needs the kernels' formulas"):
         Activation("softsign", "Softsign", F.softsign, gated="SoftGLU")

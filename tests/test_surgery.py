@@ -26,8 +26,9 @@ def tiny_vit(targets: list[str] | None = None, dropout: float = 0.0) -> nn.Modul
     return zoo.lora(model, targets, random_b=True, lora_dropout=dropout) if targets else model
 
 
-def tiny_llama() -> nn.Module:
-    return zoo.lora(zoo.llama(), zoo.LLAMA_LINEARS, random_b=True)
+def tiny_llama(lora: bool = True) -> nn.Module:
+    model = zoo.llama()
+    return zoo.lora(model, zoo.LLAMA_LINEARS, random_b=True) if lora else model
 
 
 def tiny_bert() -> nn.Module:

@@ -17,7 +17,10 @@ from lightning_lowmem.registry.activations import check_bits, code_bits, get_act
 class LowMemActivation(nn.Module):
     """``activation`` with a ``bits``-bit approximate backward (default 2: saves 0.25 byte per element).
 
-    ``bits`` = 1, 2, 3 or 4 saves ``bits/8`` byte per element (3 is stored as 4).
+    Args:
+        activation: a name of the activation registry (``"gelu"``, ``"gelu_tanh"``, ``"silu"``, ``"quick_gelu"``,
+            ``"mish"``); the forward is its stock function, bit for bit.
+        bits: 1, 2, 3 or 4 bits per element saved for backward (``bits/8`` byte; 3 is stored as 4).
     """
 
     def __init__(self, activation: str = "gelu", bits: int = 2) -> None:
@@ -54,7 +57,12 @@ class LowMemActivation(nn.Module):
 
 
 class ReGELU2(LowMemActivation):
-    """GELU (erf, or tanh with ``approximate="tanh"``) with a ``bits``-bit approximate backward."""
+    """GELU (erf, or tanh with ``approximate="tanh"``) with a ``bits``-bit approximate backward.
+
+    Args:
+        approximate: ``"none"`` (erf) or ``"tanh"``, as ``nn.GELU``'s.
+        bits: bits per element saved for backward (2: the paper's constants).
+    """
 
     def __init__(self, approximate: str = "none", bits: int = 2) -> None:
         if approximate not in ("none", "tanh"):
@@ -80,7 +88,11 @@ class ReGELU2(LowMemActivation):
 
 
 class ReSiLU2(LowMemActivation):
-    """SiLU with a ``bits``-bit approximate backward."""
+    """SiLU with a ``bits``-bit approximate backward.
+
+    Args:
+        bits: bits per element saved for backward (2: the paper's constants).
+    """
 
     def __init__(self, bits: int = 2) -> None:
         super().__init__("silu", bits)

@@ -95,7 +95,15 @@ class GatedMLPBase(nn.Module, ABC):
 
 
 class GatedMLP(GatedMLPBase):
-    """``down_proj(act(gate_proj(x)) * up_proj(x))``: the LLaMA / Mistral / Qwen MLP, same names."""
+    """``down_proj(act(gate_proj(x)) * up_proj(x))``: the LLaMA / Mistral / Qwen MLP, same names.
+
+    Args:
+        hidden_size: the input and output features.
+        intermediate_size: the features of the gated product.
+        activation: a gated activation of the registry (``"silu"``: SwiGLU, ``"gelu"``/``"gelu_tanh"``: GeGLU).
+        bias: whether the three projections have biases.
+        mode: ``"auto"`` (chosen per forward from ``down_proj``), ``"gate_up"`` or ``"gate"`` (see the module).
+    """
 
     layouts = (GatedLayout(frozenset({"gate_proj", "up_proj", "down_proj", "act_fn"}), "act_fn", "gate_proj"),)
 

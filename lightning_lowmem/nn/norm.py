@@ -138,7 +138,15 @@ class MemorySharingNorm(nn.Module):
 
 
 class MSLayerNorm(MemorySharingNorm):
-    """LayerNorm that saves its normalized output, shared with the linear layers reading it."""
+    """LayerNorm that saves its normalized output, shared with the linear layers reading it.
+
+    Args:
+        normalized_shape: the trailing dimensions normalized over, as ``nn.LayerNorm``'s.
+        eps: added to the variance (must be positive).
+        weight: the scale Parameter, or None for none.
+        bias: the shift Parameter, or None for none.
+        weight_offset: the affine scales by ``weight + weight_offset``.
+    """
 
     stock = nn.LayerNorm
     kind = "layer"
@@ -158,7 +166,11 @@ class MSLayerNorm(MemorySharingNorm):
 class MSRMSNorm(MemorySharingNorm):
     """RMSNorm that saves its normalized output, shared with the linear layers reading it.
 
-    ``eps=None`` means ``torch.finfo(x.dtype).eps``, as in ``nn.RMSNorm``.
+    Args:
+        normalized_shape: the trailing dimensions normalized over, as ``nn.RMSNorm``'s.
+        eps: added to the mean square; ``None`` means ``torch.finfo(x.dtype).eps``, as in ``nn.RMSNorm``.
+        weight: the scale Parameter, or None for none.
+        weight_offset: the affine scales by ``weight + weight_offset`` (Gemma: 1.0).
     """
 
     stock = nn.RMSNorm

@@ -63,7 +63,9 @@ class NormKind:
 
 
 NORMS: dict[str, NormKind] = {
-    "layer": NormKind("layer", "LayerNorm", "MS-LN", True, has_bias=True, modules=(nn.LayerNorm,), pattern="layer_?norm"),
+    "layer": NormKind(
+        "layer", "LayerNorm", "MS-LN", True, has_bias=True, modules=(nn.LayerNorm,), pattern="layer_?norm"
+    ),
     "rms": NormKind("rms", "RMSNorm", "MS-RMSNorm", False, has_bias=False, modules=(nn.RMSNorm,), pattern="rms_?norm"),
 }
 

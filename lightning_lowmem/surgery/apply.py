@@ -167,4 +167,3 @@ def run(report: LowMemReport, model: nn.Module, options: Options, example: Any) 
         surgery.rollback()
         raise
     return surgery
-

@@ -109,4 +109,3 @@ def nominate(model: nn.Module, options: Options) -> Candidates:
                 f"lightning_lowmem.register_activation({cls}, like={unnamed.name!r}) converts it"
             ))  # fmt: skip
     return found
-

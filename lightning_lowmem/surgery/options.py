@@ -10,20 +10,17 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from fnmatch import fnmatchcase
-from typing import Any, Literal, TypeVar, get_type_hints
+from typing import Annotated, Any, Literal, TypeVar, get_type_hints
 
 from torch import nn
+from typing_extensions import Doc
 
 from lightning_lowmem.registry.activations import check_bits
 
 Switch = bool | Literal["auto", "off"]
 Patterns = str | Sequence[str] | None
-
-
-def _doc(text: str) -> Any:
-    return {"doc": " ".join(text.split())}
 
 
 @dataclass(frozen=True)
@@ -32,40 +29,70 @@ class Options:
     pattern that matches no module fails before anything runs); afterwards the switches are bools and the
     patterns tuples."""
 
-    activation: Switch = field(default="auto", metadata=_doc("""
+    activation: Annotated[
+        Switch,
+        Doc("""
         ``"auto"`` converts every activation module of the registry (GELU erf/tanh, SiLU, QuickGELU, Mish, and
-        classes given to ``register_activation``) to its k-bit backward; ``False`` none."""))
-    norm: Switch = field(default="auto", metadata=_doc("""
+        classes given to ``register_activation``) to its k-bit backward; ``False`` none."""),
+    ] = "auto"
+    norm: Annotated[
+        Switch,
+        Doc("""
         ``"auto"`` makes each LayerNorm / RMSNorm (and classes given to ``register_norm``) whose output linear
-        layers read memory-sharing (decided by a probe forward on a real input); ``False`` none."""))
-    linear: Switch = field(default="auto", metadata=_doc("""
+        layers read memory-sharing (decided by a probe forward on a real input); ``False`` none."""),
+    ] = "auto"
+    linear: Annotated[
+        Switch,
+        Doc("""
         ``"auto"`` lets every other ``nn.Linear`` recast its weight in backward, so no half-precision weight
-        copy is saved under autocast; ``False`` keeps them."""))
-    gated: Switch = field(default="auto", metadata=_doc("""
+        copy is saved under autocast; ``False`` keeps them."""),
+    ] = "auto"
+    gated: Annotated[
+        Switch,
+        Doc("""
         ``"auto"`` fuses ``act(gate) * up`` in every recognised gated MLP (exact; saves the gate, plus the up
         projection only when the down projection does not save the product anyway); ``False`` leaves them,
-        and ``activation`` then converts their activation like any other."""))
-    include: Patterns = field(default=None, metadata=_doc("""
-        fnmatch patterns of qualified module names to consider (default: all)."""))
-    exclude: Patterns = field(default=None, metadata=_doc("fnmatch patterns of module names to leave alone."))
-    bits: int = field(default=2, metadata=_doc("""
+        and ``activation`` then converts their activation like any other."""),
+    ] = "auto"
+    include: Annotated[
+        Patterns,
+        Doc("""
+        fnmatch patterns of qualified module names to consider (default: all)."""),
+    ] = None
+    exclude: Annotated[Patterns, Doc("fnmatch patterns of module names to leave alone.")] = None
+    bits: Annotated[
+        int,
+        Doc("""
         bits per element of the activations' approximate backward: 2 (the paper's constants), or 1, 3, 4
         (fitted tables; 3 is stored in 4). Fewer bits save less memory, more bits give a gradient closer to
-        exact (benchmarks/RESULTS.md "kbit")."""))
-    budget_mib: float | None = field(default=None, metadata=_doc("""
+        exact (benchmarks/RESULTS.md "kbit")."""),
+    ] = 2
+    budget_mib: Annotated[
+        float | None,
+        Doc("""
         fit the activation memory of a training step on the example input (its batch size) into this many
         MiB: after the conversion, the fewest repeated blocks are wrapped in activation checkpointing, the
         largest block's recomputation in backward included; ``report.budget`` says which and what it
         measured. A budget below what checkpointing every block achieves raises ValueError naming that
-        minimum. ``LowMemBP`` fits it on the first training batch."""))
-    checkpoint: Patterns = field(default=None, metadata=_doc("""
+        minimum. ``LowMemBP`` fits it on the first training batch."""),
+    ] = None
+    checkpoint: Annotated[
+        Patterns,
+        Doc("""
         fnmatch patterns of the modules the budget may checkpoint (default: the repeated blocks, e.g. timm
-        ``blocks.*``, Hugging Face ``layers.*``)."""))
-    verify: bool = field(default=True, metadata=_doc("""
+        ``blocks.*``, Hugging Face ``layers.*``)."""),
+    ] = None
+    verify: Annotated[
+        bool,
+        Doc("""
         compare the converted model's outputs with the stock model's on the probe's input (rolls back and
-        raises on a mismatch)."""))
-    measure: bool = field(default=True, metadata=_doc("""
-        record the saved-for-backward bytes of one forward before and after."""))
+        raises on a mismatch)."""),
+    ] = True
+    measure: Annotated[
+        bool,
+        Doc("""
+        record the saved-for-backward bytes of one forward before and after."""),
+    ] = True
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)
@@ -78,8 +105,8 @@ class Options:
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget <= 0):
             raise ValueError(f"apply_lowmem: budget_mib must be a positive number of MiB, got {budget!r}")
         for name in ("verify", "measure"):
-            if getattr(self, name) not in (True, False):
-                raise ValueError(f"apply_lowmem: {name} must be True or False, got {getattr(self, name)!r}")
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"apply_lowmem: {name} must be True or False, got {getattr(self, name)!r}")
 
     @classmethod
     def parse(cls, options: dict[str, Any], owner: str = "apply_lowmem") -> Options:
@@ -129,11 +156,19 @@ def _patterns(value: object, name: str) -> tuple[str, ...]:
     return patterns
 
 
+def option_docs() -> dict[str, str]:
+    """Each option's doc, from its ``Doc`` annotation."""
+    hints = get_type_hints(Options, include_extras=True)
+    return {
+        f.name: next(a for a in hints[f.name].__metadata__ if isinstance(a, Doc)).documentation for f in fields(Options)
+    }
+
+
 def options_doc(indent: str = "        ") -> str:
     """The ``Args:`` lines of every option, for the docstrings of what takes them."""
     lines = []
-    for f in fields(Options):
-        words, line = f.metadata["doc"].split(), f"{indent}{f.name}:"
+    for name, doc in option_docs().items():
+        words, line = doc.split(), f"{indent}{name}:"
         for word in words:
             if len(line) + 1 + len(word) > 112:
                 lines.append(line)
