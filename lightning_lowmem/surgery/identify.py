@@ -23,7 +23,7 @@ from lightning_lowmem.memory.saved_tensors import OBSERVER
 from lightning_lowmem.nn.gated import GatedLayout, GatedMLPBase, gated_layouts
 from lightning_lowmem.registry import activations, norms
 from lightning_lowmem.registry.activations import ACTIVATIONS, Activation
-from lightning_lowmem.registry.norms import NORMS, STOCK_LAYOUT, NormKindName
+from lightning_lowmem.registry.norms import NORMS, STOCK_LAYOUT, NormKindName, NormLayout
 from lightning_lowmem.surgery.example import probe_mode
 
 
@@ -222,34 +222,17 @@ def _probe_linear(module: nn.Module, weight: torch.Tensor, bias: torch.Tensor | 
 
 
 def norm_spec(module: nn.Module) -> NormSpec:
-    """The verified description of a LayerNorm / RMSNorm, or :class:`NotConvertible`."""
+    """The verified description of a LayerNorm / RMSNorm, or :class:`NotConvertible`: its parts where its
+    layout says (the registered one, or torch's names), then its output on a probe against each kind's reference
+    (only the registered kind for a registered class)."""
     registered = norms.registered_as(module)
     kinds, layout = ((registered[0],), registered[1]) if registered else (tuple(NORMS.values()), STOCK_LAYOUT)
-    params = dict(module.named_parameters(recurse=False))
-    unexpected = sorted(set(params) - {layout.weight, layout.bias})
-    if unexpected or any(True for _ in module.buffers(recurse=False)):
-        hint = "" if registered or not unexpected else " (lightning_lowmem.register_norm can name its parameters)"
-        raise NotConvertible(f"unexpected parameters/buffers {unexpected}{hint}")
-    if not is_plain(module):
-        raise NotConvertible("has hooks or a patched forward (they would see the affine-free output)")
-    weight = params.get(layout.weight) if layout.weight else None
-    shape = getattr(module, "normalized_shape", None)
-    if shape is None:
-        if weight is None:
-            raise NotConvertible("cannot tell its normalized shape")
-        shape = weight.shape
-    shape = (shape,) if isinstance(shape, int) else tuple(shape)
-    try:
-        eps = layout.eps_of(module)
-    except ValueError as err:
-        raise NotConvertible(str(err)) from None
-    if eps is not None and not eps > 0:
-        raise NotConvertible(f"eps={eps} (the memory-sharing kernels need eps > 0)")
+    shape, eps = _norm_parts(module, layout, hint=not registered)
     # float64 input, randomised affine, rows at several scales (eps matters for the small ones)
     scales = torch.logspace(-3, 2, 6, dtype=torch.float64).view(-1, *([1] * len(shape)))
     x = (torch.randn(6, *shape, dtype=torch.float64) + 0.5) * scales
     # by shape: an FSDP2 parameter may be a shard (DTensor)
-    trial = {name: torch.randn(p.shape, dtype=torch.float64, device=p.device) for name, p in params.items()}
+    trial = {name: torch.randn(p.shape, dtype=torch.float64, device=p.device) for name, p in module.named_parameters(recurse=False)}
     try:
         with torch.no_grad():
             y = functional_call(module, trial, (x,))
@@ -260,9 +243,7 @@ def norm_spec(module: nn.Module) -> NormSpec:
         ) from None
     if not isinstance(y, torch.Tensor) or y.shape != x.shape:
         raise NotConvertible("its output is not shaped like its input")
-    y = y.double()
-    gamma = trial.get(layout.weight) if layout.weight else None
-    beta = trial.get(layout.bias) if layout.bias else None
+    y, gamma, beta = y.double(), trial.get(layout.weight), trial.get(layout.bias)
     differences = []
     for kind in kinds:
         if beta is not None and not kind.has_bias:
@@ -279,6 +260,30 @@ def norm_spec(module: nn.Module) -> NormSpec:
             "the probe"
         )
     raise NotConvertible("computes neither LayerNorm nor RMSNorm over the last dimensions (e.g. channels-first)")
+
+
+def _norm_parts(module: nn.Module, layout: NormLayout, hint: bool) -> tuple[tuple[int, ...], float | None]:
+    """``(normalized_shape, eps)`` of a norm whose parameters are where ``layout`` says, or :class:`NotConvertible`
+    (with ``hint``, a class with other parameters is told it can be registered)."""
+    params = dict(module.named_parameters(recurse=False))
+    unexpected = sorted(set(params) - {layout.weight, layout.bias})
+    if unexpected or any(True for _ in module.buffers(recurse=False)):
+        told = " (lightning_lowmem.register_norm can name its parameters)" if hint and unexpected else ""
+        raise NotConvertible(f"unexpected parameters/buffers {unexpected}{told}")
+    if not is_plain(module):
+        raise NotConvertible("has hooks or a patched forward (they would see the affine-free output)")
+    shape = getattr(module, "normalized_shape", None)
+    if shape is None:
+        if params.get(layout.weight) is None:
+            raise NotConvertible("cannot tell its normalized shape")
+        shape = params[layout.weight].shape
+    try:
+        eps = layout.eps_of(module)
+    except ValueError as err:
+        raise NotConvertible(str(err)) from None
+    if eps is not None and not eps > 0:
+        raise NotConvertible(f"eps={eps} (the memory-sharing kernels need eps > 0)")
+    return ((shape,) if isinstance(shape, int) else tuple(shape)), eps
 
 
 def _weight_offset(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None) -> float:

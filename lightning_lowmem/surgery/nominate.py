@@ -63,22 +63,9 @@ def _already_converted(name: str, module: nn.Module) -> Entry | None:
 def nominate(model: nn.Module, options: Options) -> Candidates:
     """Find and verify every candidate module; left-alone ones get their reason."""
     found = Candidates()
-    named = dict(model.named_modules())
-    fused_activations: set[str] = set()
-    for name, module in named.items():
-        match = gated_layout(module) if options.gated and options.selected(name) else None
-        if match is None:
-            continue
-        if module is model:
-            found.leave(name, "gated MLP", module, _ROOT)
-            continue
-        try:
-            found.gated[name] = fused_gated_mlp(module, *match)
-            fused_activations.add(f"{name}.{match[0].activation}")
-        except NotConvertible as err:
-            found.leave(name, "gated MLP", module, str(err))
+    fused_activations = _nominate_gated(model, options, found)
     linear_layers = LinearLayers()
-    for name, module in named.items():
+    for name, module in model.named_modules():
         if isinstance(module, LOW_MEMORY_LINEARS):  # a consumer already, or one a norm converted now may take
             kind = module.linear_kind if module.norm is None else None
         else:
@@ -109,3 +96,21 @@ def nominate(model: nn.Module, options: Options) -> Candidates:
                 f"lightning_lowmem.register_activation({cls}, like={unnamed.name!r}) converts it"
             ))  # fmt: skip
     return found
+
+
+def _nominate_gated(model: nn.Module, options: Options, found: Candidates) -> set[str]:
+    """The gated MLPs first (their activations are theirs when they fuse); returns those activations' names."""
+    fused_activations: set[str] = set()
+    for name, module in model.named_modules():
+        match = gated_layout(module) if options.gated and options.selected(name) else None
+        if match is None:
+            continue
+        if module is model:
+            found.leave(name, "gated MLP", module, _ROOT)
+            continue
+        try:
+            found.gated[name] = fused_gated_mlp(module, *match)
+            fused_activations.add(f"{name}.{match[0].activation}")
+        except NotConvertible as err:
+            found.leave(name, "gated MLP", module, str(err))
+    return fused_activations
