@@ -303,6 +303,20 @@ std::tuple<at::Tensor, at::Tensor> gated_backward_op(const at::Tensor& grad, con
   return {grad_gate, grad_up};
 }
 
+// x * keep / (1 - p), the mask drawn from `seed` (see philox4x32 in lowmem_math.h): a forward and its backward
+// (on the gradient) with one seed apply one mask.
+at::Tensor dropout_op(const at::Tensor& x, double p, const at::Tensor& seed) {
+  check_float("dropout", "x", x);
+  check_tensor("dropout", "seed", seed);
+  TORCH_CHECK_VALUE(p >= 0.0 && p < 1.0, "dropout: p must be in [0, 1), got ", p);
+  TORCH_CHECK_VALUE(seed.scalar_type() == at::kLong && seed.numel() == 1, "dropout: seed must be one int64 value, got ",
+                    seed.numel(), " of ", seed.scalar_type());
+  at::Tensor xc = x.contiguous();
+  at::Tensor out = at::empty_like(xc, at::MemoryFormat::Contiguous);
+  if (x.numel() > 0) dropout(xc, p, seed, out);
+  return out;
+}
+
 }  // namespace
 }  // namespace lowmem
 
@@ -320,6 +334,7 @@ TORCH_LIBRARY_IMPL(lowmem, LOWMEM_DISPATCH_KEY, m) {
   m.impl("norm_affine_forward", &lowmem::norm_affine_forward_op);
   m.impl("norm_backward", &lowmem::norm_backward_op);
   m.impl("gated_backward", &lowmem::gated_backward_op);
+  m.impl("dropout", &lowmem::dropout_op);
 #if !defined(LOWMEM_CUDA)  // GPUs run the reference (the ops layer takes this path on CPU only)
   m.impl("norm_exact_columns", &lowmem::norm_exact_columns_op);
   m.impl("norm_output_forward", &lowmem::norm_output_forward_op);

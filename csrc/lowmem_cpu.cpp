@@ -820,6 +820,51 @@ void gated_backward_reduced_kernel(const T* grad, const T* gate, const T* second
   });
 }
 
+// Dropout: the Philox words of a block of counters computed structure-of-arrays (each round one loop over the
+// counters, which the compiler vectorizes), then the block's elements kept and scaled, or zeroed.
+constexpr int64_t kDropoutCounters = 256;  // 1024 elements per block
+
+void philox_words(uint64_t seed, uint64_t first, int64_t n, uint32_t* words) {
+  alignas(64) uint32_t c0[kDropoutCounters], c1[kDropoutCounters], c2[kDropoutCounters], c3[kDropoutCounters];
+  for (int64_t j = 0; j < n; ++j) {
+    const uint64_t counter = first + static_cast<uint64_t>(j);
+    c0[j] = static_cast<uint32_t>(counter);
+    c1[j] = static_cast<uint32_t>(counter >> 32);
+    c2[j] = c3[j] = 0;
+  }
+  uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
+  for (int round = 0; round < kPhiloxRounds; ++round) {
+    for (int64_t j = 0; j < n; ++j) philox_round(c0[j], c1[j], c2[j], c3[j], k0, k1);
+    k0 += kPhiloxKeyA;
+    k1 += kPhiloxKeyB;
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    words[4 * j] = c0[j];
+    words[4 * j + 1] = c1[j];
+    words[4 * j + 2] = c2[j];
+    words[4 * j + 3] = c3[j];
+  }
+}
+
+template <typename T>
+void dropout_kernel(const T* x, int64_t numel, uint64_t seed, uint32_t threshold, at::opmath_type<T> scale, T* out) {
+  using acc_t = at::opmath_type<T>;
+  const int64_t counters = (numel + 3) / 4;
+  at::parallel_for(0, counters, 4 * kDropoutCounters, [&](int64_t begin, int64_t end) {
+    alignas(64) uint32_t words[4 * kDropoutCounters];
+    for (int64_t first = begin; first < end; first += kDropoutCounters) {
+      const int64_t n = std::min(kDropoutCounters, end - first);
+      philox_words(seed, static_cast<uint64_t>(first), n, words);
+      const int64_t offset = 4 * first, count = std::min(4 * n, numel - offset);
+      const T* src = x + offset;
+      T* dst = out + offset;
+      for (int64_t i = 0; i < count; ++i) {
+        dst[i] = static_cast<T>(words[i] >= threshold ? static_cast<acc_t>(src[i]) * scale : acc_t(0));
+      }
+    }
+  });
+}
+
 }  // namespace
 
 // The table's `count` thresholds in acc_t, the rest of the storage's slots +inf (codes never reach them).
@@ -983,6 +1028,15 @@ void gated_backward(const at::Tensor& grad, const at::Tensor& gate, const at::Te
         run(std::false_type());
       }
     });
+  });
+}
+
+void dropout(const at::Tensor& x, double p, const at::Tensor& seed, at::Tensor& out) {
+  const uint64_t key = static_cast<uint64_t>(seed.item<int64_t>());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "dropout", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    dropout_kernel(x.const_data_ptr<scalar_t>(), x.numel(), key, dropout_threshold(p),
+                   static_cast<acc_t>(1.0 / (1.0 - p)), out.mutable_data_ptr<scalar_t>());
   });
 }
 

@@ -186,6 +186,25 @@ int norm_threads(int64_t dim) {
   return static_cast<int>(std::min<int64_t>(512, std::max<int64_t>(32, (dim + 31) / 32 * 32)));
 }
 
+// One Philox counter (four elements) per thread; the seed is read on the device (no host synchronisation).
+template <typename T>
+__global__ void dropout_kernel(const T* __restrict__ x, int64_t numel, const int64_t* __restrict__ seed,
+                               uint32_t threshold, at::opmath_type<T> scale, T* __restrict__ out) {
+  using acc_t = at::opmath_type<T>;
+  const uint64_t key = static_cast<uint64_t>(*seed);
+  const int64_t counters = (numel + 3) / 4;
+  for (int64_t c = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; c < counters;
+       c += static_cast<int64_t>(blockDim.x) * gridDim.x) {
+    uint32_t words[4];
+    philox4x32(key, static_cast<uint64_t>(c), words);
+LOWMEM_UNROLL
+    for (int k = 0; k < 4; ++k) {
+      const int64_t i = 4 * c + k;
+      if (i < numel) out[i] = static_cast<T>(words[k] >= threshold ? static_cast<acc_t>(x[i]) * scale : acc_t(0));
+    }
+  }
+}
+
 }  // namespace
 
 void act_codes(const at::Tensor& x, const double* thresholds, int64_t count, at::Tensor& packed) {
@@ -288,6 +307,18 @@ void gated_backward(const at::Tensor& grad, const at::Tensor& gate, const at::Te
         launch(std::false_type());
       }
     });
+  });
+}
+
+void dropout(const at::Tensor& x, double p, const at::Tensor& seed, at::Tensor& out) {
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int64_t blocks = elementwise_blocks((x.numel() + 3) / 4);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "dropout", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    dropout_kernel<scalar_t><<<blocks, kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+        x.const_data_ptr<scalar_t>(), x.numel(), seed.const_data_ptr<int64_t>(), dropout_threshold(p),
+        static_cast<acc_t>(1.0 / (1.0 - p)), out.mutable_data_ptr<scalar_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }
 

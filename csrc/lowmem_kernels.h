@@ -74,6 +74,11 @@ void norm_output_backward(const at::Tensor& grad, const at::Tensor& y, const at:
                           bool center, at::Tensor& grad_input);
 #endif
 
+// out = x * keep / (1 - p), keep from the Philox words of the int64 `seed` (one element, on x's device; see
+// philox4x32), in x's accumulate type; x and out contiguous, 0 <= p < 1. A backward calls it on the gradient
+// with the same seed.
+void dropout(const at::Tensor& x, double p, const at::Tensor& seed, at::Tensor& out);
+
 // Gradients of h = act(gate) * up (kind: silu, gelu or gelu_tanh) from grad = dL/dh. An undefined `act`:
 // `second` is up and act is evaluated here; else `act` holds the forward's act(gate) and `second` is h,
 // from which up = h / act. All tensors one dtype.

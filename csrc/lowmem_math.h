@@ -5,6 +5,7 @@
 // at::vec::Vectorized of one: only +, -, * and construction from a scalar are used.
 #pragma once
 
+#include <algorithm>
 #include <type_traits>
 #include <cmath>
 #include <cstdint>
@@ -107,6 +108,46 @@ LOWMEM_HD V norm_input_grad(V g, V z, V rstd, V mean_g, V mean_gz) {
   return rstd * ((g - mean_g) - z * mean_gz);
 }
 
+
+// Dropout masks from a counter-based generator, so that a backward regenerates its forward's mask from the
+// seed alone: Philox4x32-10 (Salmon et al., SC 2011), the very rounds of ATen's PhiloxRNGEngine and Triton's
+// tl.philox, so every backend draws the same mask from one seed. Element i of a (contiguous) tensor is kept
+// when word i % 4 of the block for counter i / 4 (its low and high words the counter's first two; key: the
+// seed's low and high words) is at least dropout_threshold(p); kept values are scaled by 1 / (1 - p).
+constexpr int kPhiloxRounds = 10;
+constexpr uint32_t kPhiloxKeyA = 0x9E3779B9u, kPhiloxKeyB = 0xBB67AE85u;
+
+// One Philox round on the counter words under key (k0, k1).
+LOWMEM_HD void philox_round(uint32_t& c0, uint32_t& c1, uint32_t& c2, uint32_t& c3, uint32_t k0, uint32_t k1) {
+  const uint64_t p0 = uint64_t{0xD2511F53u} * c0, p1 = uint64_t{0xCD9E8D57u} * c2;
+  const uint32_t n0 = static_cast<uint32_t>(p1 >> 32) ^ c1 ^ k0, n2 = static_cast<uint32_t>(p0 >> 32) ^ c3 ^ k1;
+  c1 = static_cast<uint32_t>(p1);
+  c3 = static_cast<uint32_t>(p0);
+  c0 = n0;
+  c2 = n2;
+}
+
+// The four words of counter `counter` under key `seed`.
+LOWMEM_HD void philox4x32(uint64_t seed, uint64_t counter, uint32_t out[4]) {
+  uint32_t c0 = static_cast<uint32_t>(counter), c1 = static_cast<uint32_t>(counter >> 32), c2 = 0, c3 = 0;
+  uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
+LOWMEM_UNROLL
+  for (int round = 0; round < kPhiloxRounds; ++round) {
+    philox_round(c0, c1, c2, c3, k0, k1);
+    k0 += kPhiloxKeyA;
+    k1 += kPhiloxKeyB;
+  }
+  out[0] = c0;
+  out[1] = c1;
+  out[2] = c2;
+  out[3] = c3;
+}
+
+// The smallest kept word for drop probability p in [0, 1): p * 2^32 rounded, so a word is dropped with
+// probability p to within 2^-33. (lightning_lowmem/kernels/torch_ops.py computes the same.)
+inline uint32_t dropout_threshold(double p) {
+  return static_cast<uint32_t>(std::min(std::floor(p * 4294967296.0 + 0.5), 4294967295.0));
+}
 
 // Gated MLPs: h = act(g) * u. The activations the kernels know, by the activation registry's kernel id
 // (lightning_lowmem/registry/activations.py), as X(enumerator, id). A new one is an entry here, its

@@ -65,6 +65,7 @@ def op_samples(dtype: torch.dtype) -> dict[str, list[tuple]]:
         ],
         "gated_backward": [(x, gate, up, "silu", None), (x, gate, act * up, "gelu", act)],
         "stock_activation": [(gate, "gelu_tanh"), (gate[..., ::2], "silu")],
+        "dropout": [(x, 0.1, torch.tensor([7], dtype=torch.int64)), (x[..., ::3], 0.5, torch.tensor([2**40]))],
         **autograd_samples(x),
     }
 

@@ -25,6 +25,7 @@ from lightning_lowmem.nn import (
     LowMemLinear,
     LowMemTransposedLinear,
     MemorySharingNorm,
+    SeededDropout,
     MSRMSNorm,
     PackedGatedMLP,
     T5GatedMLP,
@@ -293,12 +294,15 @@ def test_t5_gated_mlp_with_dropout_keeps_gate_and_up():
     )  # fmt: skip
     stock = nn.Sequential(transformers.models.t5.modeling_t5.T5DenseGatedActDense(config))
     model, x = copy.deepcopy(stock), torch.randn(2, 5, 16)
-    report = apply_lowmem(model, example_input=x)
+    report = apply_lowmem(model, example_input=x, dropout=False)  # the stock dropout, for the same mask below
     assert isinstance(model[0], T5GatedMLP) and report.converted[0].detail == "GeGLU (tanh) fused, saves gate and up"
     torch.manual_seed(3)
     ours = model.train()(x)
     torch.manual_seed(3)
     torch.testing.assert_close(ours, stock.train()(x))  # the same dropout mask: the same function
+    seeded = copy.deepcopy(stock)
+    apply_lowmem(seeded, example_input=x)
+    assert isinstance(seeded[0].dropout, SeededDropout) and seeded[0].resolved_mode() == "gate_up"
 
 
 @pytest.mark.parametrize("name", POST_LN)

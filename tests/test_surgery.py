@@ -151,9 +151,20 @@ def test_vit_lora_fa_and_lora_gradients():
     assert_grads_close(g_stock, g_model)
 
 
-def test_lora_dropout_breaks_sharing_and_is_reported():
+def test_lora_dropout_is_folded_into_lora_a_which_keeps_the_sharing():
     stock = tiny_vit(["qkv"], dropout=0.1)
     model, report = converted(stock, zoo.images(), activation=False)
+    block = model.base_model.model.blocks[0]
+    assert report.status("base_model.model.blocks.0.norm1") == "converted"
+    assert report.status("base_model.model.blocks.0.attn.qkv.lora_dropout.default") == "converted"
+    assert isinstance(block.attn.qkv.lora_dropout["default"], nn.Identity)
+    lora_a = block.attn.qkv.lora_A["default"]
+    assert isinstance(lora_a, LowMemLinear) and lora_a.dropout == 0.1 and lora_a.norm is block.norm1
+
+
+def test_lora_dropout_left_stock_breaks_sharing_and_is_reported():
+    stock = tiny_vit(["qkv"], dropout=0.1)
+    model, report = converted(stock, zoo.images(), activation=False, dropout=False)
     entry = next(e for e in report.entries if e.name == "base_model.model.blocks.0.norm1")
     assert entry.status == "left alone" and "LoRA dropout" in entry.detail
     assert report.status("base_model.model.blocks.0.norm2") == "converted"  # fc1 has no LoRA

@@ -123,3 +123,10 @@ class KernelContract(Protocol):
         Otherwise ``act`` is the forward's own ``act(gate)`` tensor and ``second`` the output ``h``, from which
         ``up = h / act`` (0 where ``act == 0``): only the very bits the forward multiplied with recover ``up``
         to rounding (a recomputed ``act`` one ulp off costs ~1e-5 relative error in GELU's negative tail)."""
+
+    def dropout(self, x: torch.Tensor, p: float, seed: torch.Tensor) -> torch.Tensor:
+        """``x * keep / (1 - p)`` (``0 <= p < 1``) in the accumulate dtype, returned contiguous in ``x``'s dtype:
+        element ``i`` (row-major) is kept when word ``i % 4`` of the Philox4x32-10 block of counter ``i // 4``
+        under key ``seed`` (one int64 on ``x``'s device) is at least ``round(p * 2^32)`` (``csrc/lowmem_math.h``:
+        ATen's and Triton's Philox, so every backend draws the same mask). A backward applies the forward's mask
+        by calling it on the gradient with the same seed: nothing but the seed is saved."""

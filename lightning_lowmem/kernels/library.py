@@ -54,6 +54,7 @@ SCHEMAS = {
     ),
     "gated_backward": "(Tensor grad, Tensor gate, Tensor second, str kind, Tensor? act) -> (Tensor, Tensor)",
     "stock_activation": "(Tensor x, str kind) -> Tensor",
+    "dropout": "(Tensor x, float p, Tensor seed) -> Tensor",
 }
 
 AUTOGRAD_SCHEMAS = {
@@ -178,6 +179,11 @@ def _gated_backward_fake(
     torch_ops.check_gated(grad, gate, second, kind, act)
     like = torch.empty_like(grad, memory_format=torch.contiguous_format)
     return like, torch.empty_like(like)
+
+
+@torch.library.register_fake(f"{NAMESPACE}::dropout")
+def _dropout_fake(x: torch.Tensor, p: float, seed: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
 @torch.library.register_fake(f"{NAMESPACE}::stock_activation")

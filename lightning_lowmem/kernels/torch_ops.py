@@ -267,3 +267,51 @@ def norm_backward(
         g = g - g.mean(-1, keepdim=True)
     grad_input = rstd.unsqueeze(-1) * (g - za * projection)
     return grad_input.to(dtype).reshape(z.shape), sums
+
+
+_WORD = 0xFFFFFFFF
+_PHILOX_ROUND = (0xD2511F53, 0xCD9E8D57)
+_PHILOX_KEY = (0x9E3779B9, 0xBB67AE85)
+
+
+def _mulhilo(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """High and low words of ``a * b`` for 32-bit ``a`` and ``b`` (int64 tensors): in 16-bit halves of ``b``, so
+    that no partial product leaves int64."""
+    low, high = a * (b & 0xFFFF), a * (b >> 16)
+    total = low + ((high & 0xFFFF) << 16)
+    return (high >> 16) + (total >> 32), total & _WORD
+
+
+def philox(seed: int, counters: torch.Tensor) -> torch.Tensor:
+    """The four Philox4x32-10 words of each counter (int64) under key ``seed``, ``(len(counters), 4)`` int64:
+    the rounds of ``philox4x32`` in ``csrc/lowmem_math.h``."""
+    c0, c1 = counters & _WORD, counters >> 32
+    c2 = c3 = torch.zeros_like(counters)
+    k0, k1 = seed & _WORD, (seed >> 32) & _WORD
+    for _ in range(10):
+        hi0, lo0 = _mulhilo(_PHILOX_ROUND[0], c0)
+        hi1, lo1 = _mulhilo(_PHILOX_ROUND[1], c2)
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+        k0, k1 = (k0 + _PHILOX_KEY[0]) & _WORD, (k1 + _PHILOX_KEY[1]) & _WORD
+    return torch.stack((c0, c1, c2, c3), dim=1)
+
+
+def dropout_threshold(p: float) -> int:
+    """The smallest kept word for drop probability ``p``: ``p * 2^32`` rounded (as ``dropout_threshold`` in C++)."""
+    return int(min(math.floor(p * 4294967296.0 + 0.5), _WORD))
+
+
+def check_dropout(x: torch.Tensor, p: float, seed: torch.Tensor) -> None:
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout: p must be in [0, 1), got {p}")
+    if seed.dtype != torch.int64 or seed.numel() != 1 or seed.device != x.device:
+        raise ValueError(f"dropout: seed must be one int64 value on {x.device}, got {seed.numel()} of {seed.dtype}")
+
+
+def dropout(x: torch.Tensor, p: float, seed: torch.Tensor) -> torch.Tensor:
+    check_dropout(x, p, seed)
+    counters = torch.arange((x.numel() + 3) // 4, dtype=torch.int64, device=x.device)
+    keep = philox(int(seed.item()), counters).view(-1)[: x.numel()].view(x.shape) >= dropout_threshold(p)
+    acc = accumulate_dtype(x.dtype)
+    kept = x.contiguous().to(acc) * (1.0 / (1.0 - p))
+    return torch.where(keep, kept, torch.zeros((), dtype=acc, device=x.device)).to(x.dtype)

@@ -179,6 +179,27 @@ def _gated_backward_kernel(
     tl.store(grad_up_ptr + index, (grad * value).to(grad_up_ptr.dtype.element_ty), mask=inside)
 
 
+@triton.jit
+def _keep_scaled(x_ptr, out_ptr, index, numel, word, threshold, scale):
+    inside = index < numel
+    x = tl.load(x_ptr + index, mask=inside, other=0.0).to(tl.float32)
+    y = tl.where(word.to(tl.int64) >= threshold, x * scale, 0.0)
+    tl.store(out_ptr + index, y.to(out_ptr.dtype.element_ty), mask=inside)
+
+
+@triton.jit
+def _dropout_kernel(x_ptr, seed_ptr, out_ptr, numel, threshold, scale, BLOCK: tl.constexpr):
+    # BLOCK Philox counters, four elements each: element 4c + k keeps word k of counter c (csrc/lowmem_math.h)
+    counter = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    zero = tl.zeros((BLOCK,), dtype=tl.uint32)
+    w0, w1, w2, w3 = tl.philox(tl.load(seed_ptr), (counter & 0xFFFFFFFF).to(tl.uint32), (counter >> 32).to(tl.uint32),
+                               zero, zero)  # fmt: skip
+    _keep_scaled(x_ptr, out_ptr, 4 * counter, numel, w0, threshold, scale)
+    _keep_scaled(x_ptr, out_ptr, 4 * counter + 1, numel, w1, threshold, scale)
+    _keep_scaled(x_ptr, out_ptr, 4 * counter + 2, numel, w2, threshold, scale)
+    _keep_scaled(x_ptr, out_ptr, 4 * counter + 3, numel, w3, threshold, scale)
+
+
 # Decided when the kernels above were defined: True when they run in Triton's interpreter.
 INTERPRETED = not isinstance(_act_codes_kernel, triton.runtime.JITFunction)
 
@@ -351,3 +372,20 @@ def gated_backward(
             grad_gate, grad_up, grad.numel(), KIND=kind, RECOVER_UP=act is not None, BLOCK=ELEMENTS_PER_PROGRAM,
         )  # fmt: skip
     return grad_gate, grad_up
+
+
+def dropout(x: torch.Tensor, p: float, seed: torch.Tensor) -> torch.Tensor:
+    torch_ops.check_dropout(x, p, seed)
+    if x.dtype == torch.float64:
+        return torch_ops.dropout(x, p, seed)
+    _check_float("dropout", "x", x)
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    if x.numel() == 0:
+        return out
+    counters = (x.numel() + 3) // 4
+    with _launching_on("dropout", x):
+        _dropout_kernel[(triton.cdiv(counters, ELEMENTS_PER_PROGRAM // 4),)](
+            x, seed, out, x.numel(), torch_ops.dropout_threshold(p), 1.0 / (1.0 - p), BLOCK=ELEMENTS_PER_PROGRAM // 4
+        )
+    return out

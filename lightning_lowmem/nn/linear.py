@@ -28,19 +28,24 @@ from torch.utils.hooks import RemovableHandle
 from lightning_lowmem.nn.norm import MemorySharingNorm, shared_from
 from lightning_lowmem.ops.affine import affine_linear
 from lightning_lowmem.ops.autocast import autocast_dtype
+from lightning_lowmem.ops.dropout import check_probability
 
 
 def shared_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, norm: MemorySharingNorm | None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    norm: MemorySharingNorm | None,
+    dropout: float = 0.0,
 ) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` that saves ``norm``'s ``z`` when ``x`` is that norm's output and never
-    saves a half-precision weight copy."""
+    """``F.linear(F.dropout(x, dropout), weight, bias)`` that saves ``norm``'s ``z`` when ``x`` is that norm's
+    output (else ``x``: never a dropped copy, nor a half-precision weight copy)."""
     z = None if norm is None else shared_from(x, norm)
     compute = autocast_dtype(x) if weight.is_floating_point() else None
-    if z is None and compute is None and x.dtype == weight.dtype:
+    if z is None and compute is None and x.dtype == weight.dtype and not dropout:
         return F.linear(x, weight, bias)
     gamma, beta, offset = (None, None, 0.0) if z is None else norm.affine()
-    return affine_linear(x, weight, bias, compute or weight.dtype, z, gamma, beta, offset)
+    return affine_linear(x, weight, bias, compute or weight.dtype, z, gamma, beta, offset, dropout)
 
 
 class _NormConsumer:
@@ -55,31 +60,50 @@ class _NormConsumer:
 
 
 class LowMemLinear(_NormConsumer, nn.Linear):
-    """An ``nn.Linear`` that shares its input norm's saved tensor and never saves a weight copy."""
+    """An ``nn.Linear`` that shares its input norm's saved tensor and never saves a weight copy.
+
+    Args:
+        in_features: as ``nn.Linear``'s.
+        out_features: as ``nn.Linear``'s.
+        bias: as ``nn.Linear``'s.
+        norm: the memory-sharing norm whose output it reads, if any: it then saves the norm's ``z``.
+        dropout: a dropout probability applied to its input in training (a LoRA adapter's dropout, folded in):
+            it saves its input (or ``z``) and a seed, never the dropped copy.
+    """
 
     linear_kind = "linear"  # x @ weight.T + bias
 
     def __init__(
-        self, in_features: int, out_features: int, bias: bool = True, norm: MemorySharingNorm | None = None
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        norm: MemorySharingNorm | None = None,
+        dropout: float = 0.0,
     ) -> None:
         super().__init__(in_features, out_features, bias=bias, device="meta")
         self._set_norm(norm)
+        self.dropout = check_probability("LowMemLinear", dropout)
 
     @classmethod
-    def from_linear(cls, linear: nn.Module, norm: MemorySharingNorm | None = None) -> LowMemLinear:
+    def from_linear(
+        cls, linear: nn.Module, norm: MemorySharingNorm | None = None, dropout: float = 0.0
+    ) -> LowMemLinear:
         """Wrap the own Parameter objects (optimizers and peft keep working) of ``linear``: an ``nn.Linear``,
         or any layer computing ``F.linear(x, linear.weight, linear.bias)``."""
         out_features, in_features = linear.weight.shape
-        new = cls(in_features, out_features, bias=linear.bias is not None, norm=norm)
+        new = cls(in_features, out_features, bias=linear.bias is not None, norm=norm, dropout=dropout)
         new.weight = linear.weight
         new.bias = linear.bias
+        new.train(linear.training)
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return shared_linear(x, self.weight, self.bias, self.norm)
+        return shared_linear(x, self.weight, self.bias, self.norm, self.dropout if self.training else 0.0)
 
     def extra_repr(self) -> str:
-        return super().extra_repr() + self._sharing_repr()
+        dropout = f", dropout={self.dropout} (saves a seed, not the dropped input)" if self.dropout else ""
+        return super().extra_repr() + self._sharing_repr() + dropout
 
 
 class LowMemTransposedLinear(_NormConsumer, nn.Module):

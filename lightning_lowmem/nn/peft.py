@@ -18,11 +18,18 @@ def is_lora_layer(module: nn.Module) -> bool:
     )
 
 
-def lora_dropouts(model: nn.Module) -> Iterator[nn.Module]:
-    """Every LoRA dropout module of ``model`` (each copies the input it reads: no sharing past one)."""
-    for module in model.modules():
+def lora_dropouts(model: nn.Module) -> Iterator[tuple[str, nn.Module, str, nn.Module]]:
+    """``(layer name, LoRA layer, adapter, dropout module)`` for every adapter's dropout of ``model``'s LoRA layers
+    (``nn.Identity`` for ``lora_dropout=0``)."""
+    for name, module in model.named_modules():
         if is_lora_layer(module):
-            yield from getattr(module, "lora_dropout", {}).values()
+            for adapter, dropout in getattr(module, "lora_dropout", {}).items():
+                yield name, module, adapter, dropout
+
+
+def uses_dora(layer: nn.Module, adapter: str) -> bool:
+    """Whether ``adapter`` of the LoRA ``layer`` is DoRA (its forward reads the dropped input itself)."""
+    return bool(getattr(layer, "use_dora", {}).get(adapter)) or adapter in getattr(layer, "lora_variant", {})
 
 
 def saves_its_input(layer: nn.Module | None) -> bool:

@@ -2,6 +2,7 @@
 
 from lightning_lowmem.ops.activation import regelu2, resilu2, step_activation
 from lightning_lowmem.ops.affine import affine_linear
+from lightning_lowmem.ops.dropout import seeded_dropout
 from lightning_lowmem.ops.gated import gated_activation
 from lightning_lowmem.ops.norm import ms_layer_norm, ms_rms_norm
 
@@ -12,5 +13,6 @@ __all__ = [
     "ms_rms_norm",
     "regelu2",
     "resilu2",
+    "seeded_dropout",
     "step_activation",
 ]

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from lightning_lowmem import kernels
 from lightning_lowmem.kernels import library
+from lightning_lowmem.ops.dropout import draw_seed
 from lightning_lowmem.ops.norm import affine_scale
 
 
@@ -52,37 +53,69 @@ class AffineLinearFunction(torch.autograd.Function):
     """``F.linear(x, W, b)`` in ``dtype`` saving, instead of ``x``, the ``z`` with ``x = (gamma + offset) * z + beta``
     (or ``x``, as it is when ``dtype`` holds it exactly, else in ``dtype``, when ``z`` is ``None``), and
     parameters only. ``z``, ``gamma`` and ``beta`` get no gradient here: ``x`` gets it, as from a stock linear.
-    ``lowmem::affine_linear`` is this function in C++ (the eager path of the compiled backends)."""
+    With a ``seed`` the layer reads ``dropout(x)`` (a LoRA adapter's dropout, folded in): it saves what it saves
+    without one, plus the seed, and regenerates the dropped input for its weight gradient.
+    ``lowmem::affine_linear`` is this function without dropout in C++ (the eager path of the compiled backends)."""
 
     @staticmethod
-    def forward(ctx, x, z, weight, bias, gamma, beta, dtype: torch.dtype, offset: float):
+    def forward(ctx, x, z, weight, bias, gamma, beta, dtype: torch.dtype, offset: float, p: float, seed):
         x_in = x.to(dtype)  # under autocast ``dtype`` is its dtype: autocast has nothing left to cast
-        out = F.linear(x_in, weight.to(dtype), None if bias is None else bias.to(dtype))
+        read = x_in if seed is None else kernels.implementation(x.device).dropout(x_in, p, seed)
+        out = F.linear(read, weight.to(dtype), None if bias is None else bias.to(dtype))
         # only the weight gradient reads the input: a frozen linear saves none, as stock; a narrower
         # input (bf16 into fp32 adapters) is saved as it is, and widened again in backward
         narrower = torch.promote_types(x.dtype, dtype) == dtype
         saved = (z if z is not None else x if narrower else x_in) if ctx.needs_input_grad[2] else None
-        ctx.save_for_backward(saved, weight, gamma, beta)
-        ctx.dtype, ctx.x_dtype, ctx.shared, ctx.offset = dtype, x.dtype, z is not None, offset
+        ctx.save_for_backward(saved, weight, gamma, beta, seed)
+        ctx.dtype, ctx.x_dtype, ctx.shared, ctx.offset, ctx.p = dtype, x.dtype, z is not None, offset, p
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        saved, weight, gamma, beta = ctx.saved_tensors
+        saved, weight, gamma, beta, seed = ctx.saved_tensors
         needs_x, _, needs_w, needs_b = ctx.needs_input_grad[:4]
         dtype = ctx.dtype
         grad = grad.to(dtype)
         grad_2d = grad.reshape(-1, grad.shape[-1])
         grad_x = grad_w = grad_b = None
         grad_sum = grad_2d.sum(0) if needs_b else None  # one pass over grad, for the bias and the beta term
-        if needs_w:
+        if needs_w and seed is None:
             grad_w = _weight_grad(grad_2d, grad_sum, saved, gamma, beta, dtype, ctx.offset, ctx.shared)
+        elif needs_w:
+            grad_w = grad_2d.t() @ _dropped_input(saved, gamma, beta, dtype, ctx.offset, ctx.shared, ctx.p, seed)
+        if needs_w:
             grad_w = grad_w.to(weight.dtype)
         if needs_b:
             grad_b = grad_sum.to(weight.dtype)
         if needs_x:
-            grad_x = (grad @ weight.to(dtype)).to(ctx.x_dtype)
-        return grad_x, None, grad_w, grad_b, None, None, None, None
+            grad_x = grad @ weight.to(dtype)
+            if seed is not None:  # the mask, applied to the gradient of what the layer read
+                grad_x = kernels.implementation(grad_x.device).dropout(grad_x, ctx.p, seed)
+            grad_x = grad_x.to(ctx.x_dtype)
+        return grad_x, None, grad_w, grad_b, None, None, None, None, None, None
+
+
+def _dropped_input(
+    saved: torch.Tensor,
+    gamma: torch.Tensor | None,
+    beta: torch.Tensor | None,
+    dtype: torch.dtype,
+    offset: float,
+    shared: bool,
+    p: float,
+    seed: torch.Tensor,
+) -> torch.Tensor:
+    """The input the layer read in forward, ``dropout(x)`` as rows: ``x`` rebuilt from the saved tensor (from a
+    shared ``z``: ``(gamma + offset) * z + beta``, in the parameters' precision, rounded to ``dtype``), then the
+    forward's mask from its seed."""
+    x = saved
+    if shared and (gamma is not None or beta is not None):
+        acc = torch.promote_types(dtype, (gamma if gamma is not None else beta).dtype)
+        x = saved.to(acc)
+        x = x * affine_scale(gamma, offset).to(acc) if gamma is not None else x
+        x = x + beta.to(acc) if beta is not None else x
+    dropped = kernels.implementation(saved.device).dropout(x.to(dtype), p, seed)
+    return dropped.reshape(-1, dropped.shape[-1])
 
 
 def affine_linear(
@@ -94,8 +127,17 @@ def affine_linear(
     gamma: torch.Tensor | None = None,
     beta: torch.Tensor | None = None,
     offset: float = 0.0,
+    dropout: float = 0.0,
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` computed in ``dtype`` (default: the weight's) that saves ``z`` for
-    backward where ``x = (gamma + offset) * z + beta`` (a memory-sharing norm's output), else ``x`` in ``dtype``."""
+    backward where ``x = (gamma + offset) * z + beta`` (a memory-sharing norm's output), else ``x`` in ``dtype``.
+    With ``dropout`` (a probability in (0, 1)) it computes ``F.linear(F.dropout(x, dropout), ...)`` saving the
+    same, plus a seed (:mod:`.dropout`)."""
     args = (x, z, weight, bias, gamma, beta, dtype or weight.dtype, float(offset))
-    return library.OPS.affine_linear.default(*args) if kernels.autograd_in_cpp(x) else AffineLinearFunction.apply(*args)
+    if dropout:
+        return AffineLinearFunction.apply(*args, dropout, draw_seed(x.device))
+    return (
+        library.OPS.affine_linear.default(*args)
+        if kernels.autograd_in_cpp(x)
+        else AffineLinearFunction.apply(*args, 0.0, None)
+    )

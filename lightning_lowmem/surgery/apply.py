@@ -138,9 +138,11 @@ def run(report: LowMemReport, model: nn.Module, options: Options, example: Any) 
     """The stages, filling ``report``: decide (nothing changed yet), then change, check, measure and fit the
     budget, undoing every change if anything raises. Returns the applied surgery."""
     found = nominate(model, options)
-    ignored = {m for m in model.modules() if names_activation(m) or isinstance(m, tuple(CONVERTED))}
+    named = dict(model.named_modules())
+    modules = (*CONVERTED, nn.Dropout)  # a dropout module's own F.dropout call is no functional one
+    ignored = {m for m in named.values() if names_activation(m) or isinstance(m, modules)}
     shapes = {name: spec.normalized_shape for name, spec in found.norms.items()}
-    flow = probe(model, example, shapes, ignored)
+    flow = probe(model, example, shapes, ignored, {named[name] for name in found.folded})
     decided = make_plan(model, found, flow, options)
     has_example = example is not None
     report.entries, report.linears, report.pending = decided.entries, decided.linears, False

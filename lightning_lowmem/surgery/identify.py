@@ -232,7 +232,10 @@ def norm_spec(module: nn.Module) -> NormSpec:
     scales = torch.logspace(-3, 2, 6, dtype=torch.float64).view(-1, *([1] * len(shape)))
     x = (torch.randn(6, *shape, dtype=torch.float64) + 0.5) * scales
     # by shape: an FSDP2 parameter may be a shard (DTensor)
-    trial = {name: torch.randn(p.shape, dtype=torch.float64, device=p.device) for name, p in module.named_parameters(recurse=False)}
+    trial = {
+        name: torch.randn(p.shape, dtype=torch.float64, device=p.device)
+        for name, p in module.named_parameters(recurse=False)
+    }
     try:
         with torch.no_grad():
             y = functional_call(module, trial, (x,))

@@ -10,7 +10,16 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from lightning_lowmem.nn import GatedMLPBase, LowMemActivation, LowMemLinear, LowMemTransposedLinear, MemorySharingNorm
+from lightning_lowmem.nn import (
+    GatedMLPBase,
+    LowMemActivation,
+    LowMemLinear,
+    LowMemTransposedLinear,
+    MemorySharingNorm,
+    SeededDropout,
+)
+from lightning_lowmem.nn.peft import lora_dropouts, uses_dora
+from lightning_lowmem.registry.dropouts import is_elementwise_dropout
 from lightning_lowmem.surgery.identify import (
     LinearKind,
     LinearLayers,
@@ -19,6 +28,7 @@ from lightning_lowmem.surgery.identify import (
     activation_of,
     fused_gated_mlp,
     gated_layout,
+    is_plain,
     names_activation,
     names_norm,
     norm_spec,
@@ -31,6 +41,7 @@ CONVERTED: dict[type[nn.Module], EntryKind] = {
     LowMemActivation: "activation",
     GatedMLPBase: "gated MLP",
     MemorySharingNorm: "norm",
+    SeededDropout: "dropout",
 }
 """The modules the surgery installs, by the kind of candidate they replaced."""
 LOW_MEMORY_LINEARS = (LowMemLinear, LowMemTransposedLinear)
@@ -47,10 +58,16 @@ class Candidates:
     norms: dict[str, NormSpec] = field(default_factory=dict)
     gated: dict[str, GatedMLPBase] = field(default_factory=dict)  # -> its verified fused replacement
     linears: dict[str, LinearKind] = field(default_factory=dict)  # every linear layer not yet sharing a norm
+    dropouts: dict[str, float] = field(default_factory=dict)  # model dropouts -> p
+    folded: dict[str, tuple[str, float]] = field(default_factory=dict)  # LoRA dropouts -> (their lora_A, p)
     entries: dict[str, Entry] = field(default_factory=dict)
 
     def leave(self, name: str, kind: EntryKind, module: nn.Module, reason: str) -> None:
         self.entries[name] = Entry(name, kind, type(module).__name__, "left alone", reason)
+
+    def lora_a(self) -> dict[str, float]:
+        """The ``lora_A`` layers that take their adapter's dropout in, with its probability."""
+        return dict(self.folded.values())
 
 
 def _already_converted(name: str, module: nn.Module) -> Entry | None:
@@ -64,10 +81,12 @@ def nominate(model: nn.Module, options: Options) -> Candidates:
     """Find and verify every candidate module; left-alone ones get their reason."""
     found = Candidates()
     fused_activations = _nominate_gated(model, options, found)
+    if options.dropout:
+        _nominate_lora_dropouts(model, options, found)
     linear_layers = LinearLayers()
     for name, module in model.named_modules():
         if isinstance(module, LOW_MEMORY_LINEARS):  # a consumer already, or one a norm converted now may take
-            kind = module.linear_kind if module.norm is None else None
+            kind = module.linear_kind if module.norm is None or name in found.lora_a() else None
         else:
             kind = linear_layers.kind(module)
         if kind is not None:
@@ -75,8 +94,13 @@ def nominate(model: nn.Module, options: Options) -> Candidates:
         done = _already_converted(name, module)
         if done is not None:
             found.entries[name] = done
-        elif name in fused_activations or not options.selected(name):
+        elif name in fused_activations or name in found.entries or name in found.folded or not options.selected(name):
             continue
+        elif options.dropout and is_elementwise_dropout(module) and module.p > 0:
+            if is_plain(module):
+                found.dropouts[name] = module.p
+            else:
+                found.leave(name, "dropout", module, "has hooks or a patched forward (a replacement would drop them)")
         elif module is model and (names_activation(module) or names_norm(module)):
             found.leave(name, "activation" if names_activation(module) else "norm", module, _ROOT)
         elif options.activation and names_activation(module):
@@ -114,3 +138,19 @@ def _nominate_gated(model: nn.Module, options: Options, found: Candidates) -> se
         except NotConvertible as err:
             found.leave(name, "gated MLP", module, str(err))
     return fused_activations
+
+
+def _nominate_lora_dropouts(model: nn.Module, options: Options, found: Candidates) -> None:
+    """Every LoRA adapter's dropout that can be folded into its ``lora_A`` (which then saves its input, not a
+    dropped copy), or the reason it stays (a DoRA adapter reads the dropped input itself)."""
+    for layer_name, layer, adapter, dropout in lora_dropouts(model):
+        name = f"{layer_name}.lora_dropout.{adapter}"
+        if not is_elementwise_dropout(dropout) or dropout.p == 0 or not options.selected(name):
+            continue  # nn.Identity at lora_dropout=0
+        lora_a = layer.lora_A._modules.get(adapter)
+        if uses_dora(layer, adapter):
+            found.leave(name, "dropout", dropout, "a DoRA adapter: its forward reads the dropped input itself")
+        elif not isinstance(lora_a, nn.Linear) or not is_plain(lora_a) or not is_plain(dropout):
+            found.leave(name, "dropout", dropout, "its lora_A is no plain linear layer to take it in")
+        else:
+            found.folded[name] = (f"{layer_name}.lora_A.{adapter}", dropout.p)

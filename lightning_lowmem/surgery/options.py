@@ -54,6 +54,13 @@ class Options:
         projection only when the down projection does not save the product anyway); ``False`` leaves them,
         and ``activation`` then converts their activation like any other."""),
     ] = "auto"
+    dropout: Annotated[
+        Switch,
+        Doc("""
+        ``"auto"`` makes every ``nn.Dropout`` a seeded dropout that saves only its seed (not its mask), and folds
+        each LoRA adapter's dropout into its ``lora_A``, which then saves what it saves without dropout (its
+        input, or a memory-sharing norm's ``z``) and a seed; ``False`` leaves the dropouts."""),
+    ] = "auto"
     include: Annotated[
         Patterns,
         Doc("""
@@ -96,7 +103,7 @@ class Options:
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)
-        for name in ("activation", "norm", "linear", "gated"):
+        for name in ("activation", "norm", "linear", "gated", "dropout"):
             set_(name, _switch(getattr(self, name), name))
         for name in ("include", "exclude", "checkpoint"):
             set_(name, _patterns(getattr(self, name), name))

@@ -11,7 +11,14 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from lightning_lowmem.nn import GatedMLPBase, LowMemActivation, LowMemLinear, LowMemTransposedLinear, MemorySharingNorm
+from lightning_lowmem.nn import (
+    GatedMLPBase,
+    LowMemActivation,
+    LowMemLinear,
+    LowMemTransposedLinear,
+    MemorySharingNorm,
+    SeededDropout,
+)
 from lightning_lowmem.registry.activations import ACTIVATIONS
 from lightning_lowmem.registry.norms import NORMS
 from lightning_lowmem.surgery.bitsandbytes import is_frozen_4bit_linear
@@ -120,12 +127,23 @@ def make_plan(model: nn.Module, found: Candidates, flow: Flow, options: Options)
         norm_of.update(dict.fromkeys(consumers, new))
         plan.functional_callers += [named[c] for c in callers if named[c] not in plan.functional_callers]
         replace(name, "norm", new, _norm_detail(name, spec, consumers, callers))
+    folded = found.lora_a()  # lora_A name -> the dropout probability it takes in
     for name, kind in found.linears.items():
         module = named[name]
-        recasts = isinstance(module, LOW_MEMORY_LINEARS)  # converted by an earlier run, without a norm
-        if name in norm_of or (options.linear and options.selected(name) and is_plain(module) and not recasts):
-            plan.replacements[module] = _LOW_MEMORY_LINEARS[kind].from_linear(module, norm=norm_of.get(name))
+        recasts = isinstance(module, LOW_MEMORY_LINEARS)  # converted by an earlier run
+        recast = options.linear and options.selected(name) and is_plain(module) and not recasts
+        if name in norm_of or name in folded or recast:
+            norm = norm_of.get(name, getattr(module, "norm", None))
+            dropout = {"dropout": folded[name]} if name in folded else {}  # LowMemLinear's alone (peft's lora_A)
+            plan.replacements[module] = _LOW_MEMORY_LINEARS[kind].from_linear(module, norm, **dropout)
             plan.linears += not recasts
+    for name, p in found.dropouts.items():
+        replace(
+            name, "dropout", SeededDropout.from_module(named[name]), f"seeded (p={p:g}): saves its seed, not its mask"
+        )
+    for name, (_, p) in found.folded.items():
+        detail = f"folded into its lora_A (p={p:g}): it saves its input and a seed, not a dropped copy"
+        replace(name, "dropout", nn.Identity(), detail)
     for where, ops in flow.functional.items():
         was = "F." + "/F.".join(sorted(ops))
         plan.entries.append(Entry(where, "functional", was, "left alone", "called as a function, not a module"))

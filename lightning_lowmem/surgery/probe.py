@@ -38,7 +38,20 @@ _METADATA = {
 }  # fmt: skip
 _PASS_THROUGH = {"to", "contiguous", "type_as", "cpu", "cuda"}  # reads nothing when they return the input itself
 _CASTS = {"to", "type_as"}
-_FUNCTIONAL_ACTIVATIONS = {F.gelu: "gelu", F.silu: "silu"}
+_FUNCTIONAL_ACTIVATIONS = (F.gelu, F.silu)
+
+
+def _is_functional_candidate(func: Any, args: tuple, kwargs: dict) -> bool:
+    """A GELU/SiLU, or a training dropout (``F.dropout``, SDPA's ``dropout_p``), called as a function: the surgery
+    cannot swap it, the report says so."""
+    if func in _FUNCTIONAL_ACTIVATIONS:
+        return True
+    if func is F.dropout:
+        bound = dict(zip(("input", "p", "training"), args)) | kwargs
+        return bound.get("training", True) and bound.get("p", 0.5) > 0
+    if func is F.scaled_dot_product_attention:
+        return kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0) > 0
+    return False
 
 
 # how the report words a read
@@ -100,10 +113,11 @@ def _op_name(func: Any) -> str:
 class _Probe(TorchFunctionMode):
     def __init__(
         self, flow: Flow, names: dict[nn.Module, str], stack: list[nn.Module], activations: set[nn.Module],
-        dropouts: set[nn.Module], row_shapes: dict[str, tuple[int, ...]],
+        copying: set[nn.Module], folded: set[nn.Module], row_shapes: dict[str, tuple[int, ...]],
     ) -> None:  # fmt: skip
         super().__init__()
-        self.flow, self.names, self.stack, self.activations, self.dropouts = flow, names, stack, activations, dropouts
+        self.flow, self.names, self.stack, self.activations = flow, names, stack, activations
+        self.copying, self.folded = copying, folded  # LoRA dropouts that stay, and those folded into their lora_A
         self.row_shapes = row_shapes
         self.tagged: dict[int, tuple[torch.Tensor, str, torch.Tensor]] = {}  # id -> (tensor, norm, norm's output)
         self.called_on: dict[int, set[nn.Module]] = defaultdict(set)  # id(tagged tensor) -> modules called on it
@@ -135,22 +149,25 @@ class _Probe(TorchFunctionMode):
         here = self.stack[-1] if self.stack else None
         where = self.names.get(here, "")
         name = _op_name(func)
-        if func in _FUNCTIONAL_ACTIVATIONS and here not in self.activations:
+        if here not in self.activations and _is_functional_candidate(func, args, kwargs):
             self.flow.functional[where or "<root>"].add(name)
         for t in tree_flatten((args, kwargs))[0]:
             norm = self.source(t)
             if norm is None or name in _METADATA or (name in _PASS_THROUGH and out is t):
                 continue
-            if name in _CASTS and is_lora_layer(here) and isinstance(out, torch.Tensor):
-                # peft's cast of its input to the adapter dtype: the surgery switches it off (the converted
-                # lora_A casts, saving the norm's tensor), so what the adapters read is the norm's output
+            if isinstance(out, torch.Tensor) and (
+                (name in _CASTS and is_lora_layer(here)) or (here in self.folded and func is F.dropout)
+            ):
+                # peft's cast of its input to the adapter dtype, which the surgery switches off (the converted
+                # lora_A casts, saving the norm's tensor), or an adapter's dropout, which the surgery folds into
+                # its lora_A: what the adapter reads is the norm's output
                 self.tagged[id(out)] = (out, norm, self.tagged[id(t)][2])
                 continue
             self.follow_views(t, out)
             x, weight, _ = linear_arguments(args, kwargs) if func is F.linear else (None, None, None)
             weight_of = self.owner.get(id(weight)) if x is t and isinstance(weight, nn.Parameter) else None
             kind = type(here).__name__ if here is not None else "model"
-            if here in self.dropouts:
+            if here in self.copying:
                 layer = where.rpartition(".lora_dropout")[0]
                 self.flow.block(norm, f"its linear reader in {layer} reads a LoRA dropout copy")
             elif weight_of not in (None, where) or here not in self.called_on[id(t)]:
@@ -162,7 +179,11 @@ class _Probe(TorchFunctionMode):
 
 
 def _trace(
-    model: nn.Module, example: Any, norms: dict[str, tuple[nn.Module, tuple[int, ...]]], activations: set[nn.Module]
+    model: nn.Module,
+    example: Any,
+    norms: dict[str, tuple[nn.Module, tuple[int, ...]]],
+    activations: set[nn.Module],
+    folded: set[nn.Module],
 ) -> Flow:
     """Probe ``model`` on ``example`` (train and eval mode) and record the reads of every norm in ``norms``
     (name -> module and normalized shape)."""
@@ -172,7 +193,8 @@ def _trace(
     called: set[str] = set()
     stack: list[nn.Module] = []
     row_shapes = {name: shape for name, (_, shape) in norms.items()}
-    probe = _Probe(flow, names, stack, activations, set(lora_dropouts(model)), row_shapes)
+    copying = {dropout for *_, dropout in lora_dropouts(model)} - folded
+    probe = _Probe(flow, names, stack, activations, copying, folded, row_shapes)
 
     def pre(module, args):
         probe.module_called(module, args)
@@ -215,10 +237,17 @@ class ExampleInputError(RuntimeError):
     """The model fails on the example input (the model's own error is the cause); nothing was changed."""
 
 
-def probe(model: nn.Module, example: Any, norms: dict[str, tuple[int, ...]], activations: set[nn.Module]) -> Flow:
-    """The probe stage: every read of the output of each norm in ``norms`` (name -> normalized shape), and
-    the GELU/SiLU functions called in modules other than ``activations``. Without an example every norm is
-    left alone; an example the model cannot run is an :class:`ExampleInputError`."""
+def probe(
+    model: nn.Module,
+    example: Any,
+    norms: dict[str, tuple[int, ...]],
+    activations: set[nn.Module],
+    folded: set[nn.Module] = frozenset(),
+) -> Flow:
+    """The probe stage: every read of the output of each norm in ``norms`` (name -> normalized shape), and the
+    GELU/SiLU functions and training dropouts called in modules other than ``activations``; the LoRA dropouts
+    ``folded`` into their adapters pass the norm's output on. Without an example every norm is left alone; an
+    example the model cannot run is an :class:`ExampleInputError`."""
     if example is None:
         flow = Flow()
         for name in norms:
@@ -226,7 +255,8 @@ def probe(model: nn.Module, example: Any, norms: dict[str, tuple[int, ...]], act
         return flow
     named = dict(model.named_modules())
     try:
-        return _trace(model, example, {name: (named[name], shape) for name, shape in norms.items()}, activations)
+        norms_by_name = {name: (named[name], shape) for name, shape in norms.items()}
+        return _trace(model, example, norms_by_name, activations, set(folded))
     except Exception as err:
         raise ExampleInputError(
             f"apply_lowmem: {type(model).__name__} cannot run the example input ({type(err).__name__}: {err}); "

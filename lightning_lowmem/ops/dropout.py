@@ -1,0 +1,63 @@
+"""Dropout that saves nothing but its seed: the backward regenerates the mask from it.
+
+Stock dropout keeps its mask for backward (a bool per element on CUDA, an fp32 noise tensor on CPU). Here the
+forward draws a seed from the device's default generator, the kernels draw the mask from it with a
+counter-based generator (Philox, :meth:`~lightning_lowmem.kernels.contract.KernelContract.dropout`), and the
+backward applies the same mask to the gradient from the seed alone. Because the seed comes from torch's
+generator, ``torch.manual_seed``, Lightning's per-rank seeding and activation checkpointing (which replays the
+generator's state before its recompute) govern the masks as they govern stock dropout's.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lightning_lowmem import kernels
+from lightning_lowmem.ops._checks import check_float_tensor, needs_graph, refuse_double_backward
+
+SEED_RANGE = 2**62
+
+
+def draw_seed(device: torch.device) -> torch.Tensor:
+    """A seed (one int64 on ``device``) from the device's default generator: no host synchronisation on a GPU."""
+    return torch.randint(SEED_RANGE, (1,), device=device)
+
+
+class SeededDropoutFunction(torch.autograd.Function):
+    """``x * mask / (1 - p)`` saving only the seed of ``mask``."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, p: float, seed: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(seed)
+        ctx.p = p
+        return kernels.implementation(x.device).dropout(x, p, seed)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        refuse_double_backward("seeded_dropout")
+        (seed,) = ctx.saved_tensors
+        return kernels.implementation(grad.device).dropout(grad, ctx.p, seed), None, None
+
+
+def check_probability(op: str, p: object) -> float:
+    """``p`` as a float in [0, 1], else the error ``F.dropout`` gives."""
+    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p <= 1.0:
+        raise ValueError(f"{op}: dropout probability has to be between 0 and 1, but got {p!r}")
+    return float(p)
+
+
+def seeded_dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> torch.Tensor:
+    """``F.dropout(x, p, training, inplace)`` that saves only a seed for backward: Bernoulli(1 - p) masks scaled by
+    ``1 / (1 - p)``; ``x`` itself in evaluation or at ``p = 0``, zeros at ``p = 1``, as stock."""
+    check_float_tensor("seeded_dropout", x)
+    p = check_probability("seeded_dropout", p)
+    if not training or p == 0.0:
+        return x
+    if p == 1.0:
+        return x.mul_(0.0) if inplace else x * 0.0
+    seed = draw_seed(x.device)
+    if needs_graph(x):
+        y = SeededDropoutFunction.apply(x, p, seed)
+    else:
+        y = kernels.implementation(x.device).dropout(x, p, seed)
+    return x.copy_(y) if inplace else y
