@@ -70,6 +70,8 @@ def launches() -> list[tuple[triton.runtime.JITFunction, tuple, dict]]:
         for kind in torch_ops.KINDS if variants else ("silu",):
             for act in (None, x) if variants else (x,):
                 triton_ops.gated_backward(x, x, x, kind, act)
+        for p in (0.1, 0.5) if variants else (0.1,):  # the threshold an int32, then an int64
+            triton_ops.dropout(x, p, torch.tensor([1]))
     return [(r.kernel, args, kwargs) for r in recorders.values() for args, kwargs in r.launches]
 
 

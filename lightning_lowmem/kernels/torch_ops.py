@@ -171,7 +171,9 @@ def check_affine(op: str, dim: int, dtype: torch.dtype, scale: torch.Tensor | No
     acc = accumulate_dtype(dtype)
     for name, values in (("scale", scale), ("shift", shift)):
         if values is not None and (values.numel() != dim or values.dtype != acc):
-            raise ValueError(f"{op}: expected {dim} {name} values of dtype {acc}, got {values.numel()} of {values.dtype}")
+            raise ValueError(
+                f"{op}: expected {dim} {name} values of dtype {acc}, got {values.numel()} of {values.dtype}"
+            )
 
 
 def with_affine(norm_forward: Callable) -> Callable:

@@ -1,11 +1,17 @@
-"""``SeededDropout``: an ``nn.Dropout`` that saves only a seed for backward (:mod:`lightning_lowmem.ops.dropout`)."""
+"""``SeededDropout``: an ``nn.Dropout`` that saves only a seed for backward (:mod:`lightning_lowmem.ops.dropout`).
+
+On a memory-sharing norm's output (BERT's embedding dropout) it marks its own output as that norm's, dropped
+with its seed (:func:`~lightning_lowmem.nn.norm.tag_dropped`): the linear layers reading it then save the
+norm's ``z`` and the seed instead of the dropped copy, as they do without the dropout.
+"""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from lightning_lowmem.ops.dropout import seeded_dropout
+from lightning_lowmem.nn.norm import is_norm_output, tag_dropped
+from lightning_lowmem.ops.dropout import draw_seed, seeded_dropout
 
 
 class SeededDropout(nn.Dropout):
@@ -27,7 +33,11 @@ class SeededDropout(nn.Dropout):
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return seeded_dropout(x, self.p, self.training, self.inplace)
+        if not (self.training and 0 < self.p < 1 and not self.inplace and is_norm_output(x)):
+            return seeded_dropout(x, self.p, self.training, self.inplace)
+        # a memory-sharing norm's output: its consumers may save the norm's z and this seed, not our output
+        seed = draw_seed(x.device)
+        return tag_dropped(seeded_dropout(x, self.p, seed=seed), x, self.p, seed)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + ", saves=seed"

@@ -74,6 +74,11 @@ class GatedMLPBase(nn.Module, ABC):
     def consumer(self) -> nn.Module | None:
         """The layer that receives the product itself (``None`` if anything comes in between)."""
 
+    def product_dropout(self) -> tuple[str, str] | None:
+        """The child names of a dropout between the product and the layer reading it, and of that layer (T5's
+        ``dropout`` and ``wo``): the surgery can fold the one into the other, which then reads the product itself."""
+        return None
+
     def resolved_mode(self) -> str:
         """``mode``, with ``"auto"`` resolved for the current ``requires_grad`` flags."""
         if self.mode != "auto":
@@ -175,6 +180,9 @@ class TimmGluMlp(GatedMLPBase):
     def consumer(self) -> nn.Module | None:
         return self.fc2 if _passes_through(self.drop1) and isinstance(self.norm, nn.Identity) else None
 
+    def product_dropout(self) -> tuple[str, str] | None:
+        return ("drop1", "fc2") if isinstance(self.norm, nn.Identity) else None
+
 
 def _passes_through(dropout: nn.Module) -> bool:
     """Whether ``dropout`` hands on its very input (identity, or p = 0)."""
@@ -224,6 +232,9 @@ class T5GatedMLP(GatedMLPBase):
 
     def consumer(self) -> nn.Module | None:
         return self.wo if _passes_through(self.dropout) else None
+
+    def product_dropout(self) -> tuple[str, str] | None:
+        return "dropout", "wo"
 
 
 def gated_layouts() -> Iterator[tuple[GatedLayout, type[GatedMLPBase]]]:

@@ -25,7 +25,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
-from lightning_lowmem.nn.norm import MemorySharingNorm, shared_from
+from lightning_lowmem.nn.norm import MemorySharingNorm, dropout_of, shared_from
 from lightning_lowmem.ops.affine import affine_linear
 from lightning_lowmem.ops.autocast import autocast_dtype
 from lightning_lowmem.ops.dropout import check_probability
@@ -39,13 +39,17 @@ def shared_linear(
     dropout: float = 0.0,
 ) -> torch.Tensor:
     """``F.linear(F.dropout(x, dropout), weight, bias)`` that saves ``norm``'s ``z`` when ``x`` is that norm's
-    output (else ``x``: never a dropped copy, nor a half-precision weight copy)."""
+    output, or a seeded dropout of it (then with the seed), else ``x``: never a dropped copy, nor a
+    half-precision weight copy."""
     z = None if norm is None else shared_from(x, norm)
+    dropped = None if z is None else dropout_of(x)
+    if dropped is not None and dropout:  # two masks: share neither, save the input as it is
+        z = dropped = None
     compute = autocast_dtype(x) if weight.is_floating_point() else None
     if z is None and compute is None and x.dtype == weight.dtype and not dropout:
         return F.linear(x, weight, bias)
     gamma, beta, offset = (None, None, 0.0) if z is None else norm.affine()
-    return affine_linear(x, weight, bias, compute or weight.dtype, z, gamma, beta, offset, dropout)
+    return affine_linear(x, weight, bias, compute or weight.dtype, z, gamma, beta, offset, dropout, dropped)
 
 
 class _NormConsumer:

@@ -25,7 +25,9 @@ from torch import nn
 from lightning_lowmem.ops.norm import memory_sharing_norm
 from lightning_lowmem.registry.norms import NORMS
 
-_TAG = "_lowmem_shared_from"  # tensor attribute: (norm module, z, version) on a norm's output
+# tensor attribute on a norm's output: (norm module, z or None (the output is z), version, None); on a seeded
+# dropout's output of one: (norm module, z, version, (p, seed)), its consumers save z and the seed
+_TAG = "_lowmem_shared_from"
 
 
 def whole_rows(view: torch.Tensor, base: torch.Tensor, row_shape: Sequence[int]) -> bool:
@@ -60,6 +62,27 @@ def shared_from(x: torch.Tensor, norm: MemorySharingNorm) -> torch.Tensor | None
     if z.shape != base.shape or z.stride() != base.stride() or not whole_rows(x, base, norm.normalized_shape):
         return None
     return z.as_strided(x.size(), x.stride(), z.storage_offset() + x.storage_offset() - base.storage_offset())
+
+
+def dropout_of(x: torch.Tensor) -> tuple[float, torch.Tensor] | None:
+    """``(p, seed)`` of the seeded dropout that made ``x`` (or its base) from a norm's output, else ``None``: a
+    consumer saving the norm's ``z`` for ``x`` rebuilds ``x`` from both (:func:`tag_dropped`)."""
+    base = x if hasattr(x, _TAG) else x._base
+    tag = getattr(base, _TAG, None)
+    return None if tag is None else tag[3]
+
+
+def tag_dropped(y: torch.Tensor, x: torch.Tensor, p: float, seed: torch.Tensor) -> torch.Tensor:
+    """Mark ``y``, a seeded dropout of ``x``, as derived from ``x``'s norm when ``x`` is a memory-sharing norm's
+    output, unchanged (BERT's embedding dropout sits between its norm and the first layer's linears). Returns
+    ``y`` (a view of it under torch.compile, which sets no attribute on a custom operator's output)."""
+    tag = getattr(x, _TAG, None)
+    if tag is None or tag[3] is not None or (not torch.compiler.is_compiling() and tag[2] != x._version):
+        return y
+    if torch.compiler.is_compiling():
+        y = y.view_as(y)
+    setattr(y, _TAG, (tag[0], x if tag[1] is None else tag[1], y._version, (p, seed)))
+    return y
 
 
 def is_norm_output(x: torch.Tensor) -> bool:
@@ -127,7 +150,7 @@ class MemorySharingNorm(nn.Module):
             if torch.compiler.is_compiling():
                 # dynamo (torch 2.14) sets no attribute on a custom operator's output, on a view it does
                 y = y.view_as(y)
-            setattr(y, _TAG, (self, None if y is z else z, y._version))  # no reference cycle through y itself
+            setattr(y, _TAG, (self, None if y is z else z, y._version, None))  # no reference cycle through y itself
         return y
 
     def extra_repr(self) -> str:

@@ -53,21 +53,30 @@ class AffineLinearFunction(torch.autograd.Function):
     """``F.linear(x, W, b)`` in ``dtype`` saving, instead of ``x``, the ``z`` with ``x = (gamma + offset) * z + beta``
     (or ``x``, as it is when ``dtype`` holds it exactly, else in ``dtype``, when ``z`` is ``None``), and
     parameters only. ``z``, ``gamma`` and ``beta`` get no gradient here: ``x`` gets it, as from a stock linear.
-    With a ``seed`` the layer reads ``dropout(x)`` (a LoRA adapter's dropout, folded in): it saves what it saves
-    without one, plus the seed, and regenerates the dropped input for its weight gradient.
+    With a ``seed``, the layer's input is a dropout of ``x`` drawn from it: applied here (``applies``: a LoRA
+    adapter's dropout, folded in), or already (``x`` a seeded dropout of the norm's output, ``z`` the norm's);
+    either way it saves what it saves without a dropout, plus the seed, and regenerates the dropped input for
+    its weight gradient.
     ``lowmem::affine_linear`` is this function without dropout in C++ (the eager path of the compiled backends)."""
 
     @staticmethod
-    def forward(ctx, x, z, weight, bias, gamma, beta, dtype: torch.dtype, offset: float, p: float, seed):
+    def forward(ctx, x, z, weight, bias, gamma, beta, dtype: torch.dtype, offset: float, p: float, seed, applies: bool):
         x_in = x.to(dtype)  # under autocast ``dtype`` is its dtype: autocast has nothing left to cast
-        read = x_in if seed is None else kernels.implementation(x.device).dropout(x_in, p, seed)
+        read = kernels.implementation(x.device).dropout(x_in, p, seed) if applies else x_in
         out = F.linear(read, weight.to(dtype), None if bias is None else bias.to(dtype))
         # only the weight gradient reads the input: a frozen linear saves none, as stock; a narrower
         # input (bf16 into fp32 adapters) is saved as it is, and widened again in backward
         narrower = torch.promote_types(x.dtype, dtype) == dtype
         saved = (z if z is not None else x if narrower else x_in) if ctx.needs_input_grad[2] else None
         ctx.save_for_backward(saved, weight, gamma, beta, seed)
-        ctx.dtype, ctx.x_dtype, ctx.shared, ctx.offset, ctx.p = dtype, x.dtype, z is not None, offset, p
+        ctx.dtype, ctx.x_dtype, ctx.shared, ctx.offset, ctx.p, ctx.applies = (
+            dtype,
+            x.dtype,
+            z is not None,
+            offset,
+            p,
+            applies,
+        )
         return out
 
     @staticmethod
@@ -89,10 +98,10 @@ class AffineLinearFunction(torch.autograd.Function):
             grad_b = grad_sum.to(weight.dtype)
         if needs_x:
             grad_x = grad @ weight.to(dtype)
-            if seed is not None:  # the mask, applied to the gradient of what the layer read
+            if ctx.applies:  # the mask, applied to the gradient of what the layer read
                 grad_x = kernels.implementation(grad_x.device).dropout(grad_x, ctx.p, seed)
             grad_x = grad_x.to(ctx.x_dtype)
-        return grad_x, None, grad_w, grad_b, None, None, None, None, None, None
+        return grad_x, None, grad_w, grad_b, None, None, None, None, None, None, None
 
 
 def _dropped_input(
@@ -128,16 +137,20 @@ def affine_linear(
     beta: torch.Tensor | None = None,
     offset: float = 0.0,
     dropout: float = 0.0,
+    dropped: tuple[float, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` computed in ``dtype`` (default: the weight's) that saves ``z`` for
     backward where ``x = (gamma + offset) * z + beta`` (a memory-sharing norm's output), else ``x`` in ``dtype``.
     With ``dropout`` (a probability in (0, 1)) it computes ``F.linear(F.dropout(x, dropout), ...)`` saving the
-    same, plus a seed (:mod:`.dropout`)."""
+    same, plus a seed (:mod:`.dropout`); ``dropped``: ``(p, seed)`` of the seeded dropout that made ``x`` from
+    the norm's output, to save ``z`` and the seed for ``x``."""
     args = (x, z, weight, bias, gamma, beta, dtype or weight.dtype, float(offset))
     if dropout:
-        return AffineLinearFunction.apply(*args, dropout, draw_seed(x.device))
+        return AffineLinearFunction.apply(*args, dropout, draw_seed(x.device), True)
+    if dropped is not None:
+        return AffineLinearFunction.apply(*args, *dropped, False)
     return (
         library.OPS.affine_linear.default(*args)
         if kernels.autograd_in_cpp(x)
-        else AffineLinearFunction.apply(*args, 0.0, None)
+        else AffineLinearFunction.apply(*args, 0.0, None, False)
     )

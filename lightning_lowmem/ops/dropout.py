@@ -46,16 +46,19 @@ def check_probability(op: str, p: object) -> float:
     return float(p)
 
 
-def seeded_dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> torch.Tensor:
+def seeded_dropout(
+    x: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False, seed: torch.Tensor | None = None
+) -> torch.Tensor:
     """``F.dropout(x, p, training, inplace)`` that saves only a seed for backward: Bernoulli(1 - p) masks scaled by
-    ``1 / (1 - p)``; ``x`` itself in evaluation or at ``p = 0``, zeros at ``p = 1``, as stock."""
+    ``1 / (1 - p)``; ``x`` itself in evaluation or at ``p = 0``, zeros at ``p = 1``, as stock. ``seed``: the one
+    to draw the mask from (default: a fresh one from torch's generator, :func:`draw_seed`)."""
     check_float_tensor("seeded_dropout", x)
     p = check_probability("seeded_dropout", p)
     if not training or p == 0.0:
         return x
     if p == 1.0:
         return x.mul_(0.0) if inplace else x * 0.0
-    seed = draw_seed(x.device)
+    seed = draw_seed(x.device) if seed is None else seed
     if needs_graph(x):
         y = SeededDropoutFunction.apply(x, p, seed)
     else:

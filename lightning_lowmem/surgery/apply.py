@@ -142,7 +142,7 @@ def run(report: LowMemReport, model: nn.Module, options: Options, example: Any) 
     modules = (*CONVERTED, nn.Dropout)  # a dropout module's own F.dropout call is no functional one
     ignored = {m for m in named.values() if names_activation(m) or isinstance(m, modules)}
     shapes = {name: spec.normalized_shape for name, spec in found.norms.items()}
-    flow = probe(model, example, shapes, ignored, {named[name] for name in found.folded})
+    flow = probe(model, example, shapes, ignored, {named[name] for name in (*found.folded, *found.dropouts)})
     decided = make_plan(model, found, flow, options)
     has_example = example is not None
     report.entries, report.linears, report.pending = decided.entries, decided.linears, False

@@ -133,11 +133,21 @@ def _nominate_gated(model: nn.Module, options: Options, found: Candidates) -> se
             found.leave(name, "gated MLP", module, _ROOT)
             continue
         try:
-            found.gated[name] = fused_gated_mlp(module, *match)
+            found.gated[name] = fused = fused_gated_mlp(module, *match)
             fused_activations.add(f"{name}.{match[0].activation}")
         except NotConvertible as err:
             found.leave(name, "gated MLP", module, str(err))
+            continue
+        between = fused.product_dropout() if options.dropout else None
+        if between is not None and _foldable(*(module._modules[child] for child in between)):
+            found.folded[f"{name}.{between[0]}"] = (f"{name}.{between[1]}", module._modules[between[0]].p)
     return fused_activations
+
+
+def _foldable(dropout: nn.Module, layer: nn.Module) -> bool:
+    """Whether ``dropout`` can move into the linear ``layer`` that reads its output (``LowMemLinear(dropout=p)``)."""
+    plain_linear = type(layer) is nn.Linear or (isinstance(layer, LowMemLinear) and not layer.dropout)
+    return is_elementwise_dropout(dropout) and dropout.p > 0 and plain_linear and is_plain(layer) and is_plain(dropout)
 
 
 def _nominate_lora_dropouts(model: nn.Module, options: Options, found: Candidates) -> None:
@@ -150,7 +160,7 @@ def _nominate_lora_dropouts(model: nn.Module, options: Options, found: Candidate
         lora_a = layer.lora_A._modules.get(adapter)
         if uses_dora(layer, adapter):
             found.leave(name, "dropout", dropout, "a DoRA adapter: its forward reads the dropped input itself")
-        elif not isinstance(lora_a, nn.Linear) or not is_plain(lora_a) or not is_plain(dropout):
+        elif lora_a is None or not _foldable(dropout, lora_a):
             found.leave(name, "dropout", dropout, "its lora_A is no plain linear layer to take it in")
         else:
             found.folded[name] = (f"{layer_name}.lora_A.{adapter}", dropout.p)

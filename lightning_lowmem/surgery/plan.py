@@ -93,6 +93,14 @@ def _norm_detail(name: str, spec: NormSpec, consumers: list[str], callers: list[
     return detail
 
 
+def _relative(name: str, to: str) -> str:
+    """``name`` without the module path it shares with ``to`` (``q_proj.lora_A.default`` seen from
+    ``q_proj.lora_dropout.default``: ``lora_A.default``)."""
+    parts, base = name.split("."), to.split(".")
+    common = next((i for i, (a, b) in enumerate(zip(parts, base)) if a != b), min(len(parts), len(base)))
+    return ".".join(parts[common:])
+
+
 def _gated_detail(new: GatedMLPBase) -> str:
     """E.g. ``SwiGLU fused, saves gate (+ the product its down projection saves)``."""
     saves = "gate (+ the product its down projection saves)" if new.resolved_mode() == "gate" else "gate and up"
@@ -141,8 +149,8 @@ def make_plan(model: nn.Module, found: Candidates, flow: Flow, options: Options)
         replace(
             name, "dropout", SeededDropout.from_module(named[name]), f"seeded (p={p:g}): saves its seed, not its mask"
         )
-    for name, (_, p) in found.folded.items():
-        detail = f"folded into its lora_A (p={p:g}): it saves its input and a seed, not a dropped copy"
+    for name, (layer, p) in found.folded.items():
+        detail = f"folded into {_relative(layer, name)} (p={p:g}): it saves its input and a seed, not a dropped copy"
         replace(name, "dropout", nn.Identity(), detail)
     for where, ops in flow.functional.items():
         was = "F." + "/F.".join(sorted(ops))

@@ -113,11 +113,11 @@ def _op_name(func: Any) -> str:
 class _Probe(TorchFunctionMode):
     def __init__(
         self, flow: Flow, names: dict[nn.Module, str], stack: list[nn.Module], activations: set[nn.Module],
-        copying: set[nn.Module], folded: set[nn.Module], row_shapes: dict[str, tuple[int, ...]],
+        copying: set[nn.Module], passing: set[nn.Module], row_shapes: dict[str, tuple[int, ...]],
     ) -> None:  # fmt: skip
         super().__init__()
         self.flow, self.names, self.stack, self.activations = flow, names, stack, activations
-        self.copying, self.folded = copying, folded  # LoRA dropouts that stay, and those folded into their lora_A
+        self.copying, self.passing = copying, passing  # LoRA dropouts that stay; the dropouts the surgery converts
         self.row_shapes = row_shapes
         self.tagged: dict[int, tuple[torch.Tensor, str, torch.Tensor]] = {}  # id -> (tensor, norm, norm's output)
         self.called_on: dict[int, set[nn.Module]] = defaultdict(set)  # id(tagged tensor) -> modules called on it
@@ -156,11 +156,12 @@ class _Probe(TorchFunctionMode):
             if norm is None or name in _METADATA or (name in _PASS_THROUGH and out is t):
                 continue
             if isinstance(out, torch.Tensor) and (
-                (name in _CASTS and is_lora_layer(here)) or (here in self.folded and func is F.dropout)
+                (name in _CASTS and is_lora_layer(here)) or (here in self.passing and func is F.dropout)
             ):
                 # peft's cast of its input to the adapter dtype, which the surgery switches off (the converted
-                # lora_A casts, saving the norm's tensor), or an adapter's dropout, which the surgery folds into
-                # its lora_A: what the adapter reads is the norm's output
+                # lora_A casts, saving the norm's tensor), or a dropout the surgery converts (folded into a LoRA
+                # adapter's lora_A, or seeded: its readers save the norm's z and its seed): what its readers read
+                # is, for the plan, the norm's output
                 self.tagged[id(out)] = (out, norm, self.tagged[id(t)][2])
                 continue
             self.follow_views(t, out)
@@ -183,7 +184,7 @@ def _trace(
     example: Any,
     norms: dict[str, tuple[nn.Module, tuple[int, ...]]],
     activations: set[nn.Module],
-    folded: set[nn.Module],
+    passing: set[nn.Module],
 ) -> Flow:
     """Probe ``model`` on ``example`` (train and eval mode) and record the reads of every norm in ``norms``
     (name -> module and normalized shape)."""
@@ -193,8 +194,8 @@ def _trace(
     called: set[str] = set()
     stack: list[nn.Module] = []
     row_shapes = {name: shape for name, (_, shape) in norms.items()}
-    copying = {dropout for *_, dropout in lora_dropouts(model)} - folded
-    probe = _Probe(flow, names, stack, activations, copying, folded, row_shapes)
+    copying = {dropout for *_, dropout in lora_dropouts(model)} - passing
+    probe = _Probe(flow, names, stack, activations, copying, passing, row_shapes)
 
     def pre(module, args):
         probe.module_called(module, args)
@@ -242,12 +243,12 @@ def probe(
     example: Any,
     norms: dict[str, tuple[int, ...]],
     activations: set[nn.Module],
-    folded: set[nn.Module] = frozenset(),
+    passing: set[nn.Module] = frozenset(),
 ) -> Flow:
     """The probe stage: every read of the output of each norm in ``norms`` (name -> normalized shape), and the
-    GELU/SiLU functions and training dropouts called in modules other than ``activations``; the LoRA dropouts
-    ``folded`` into their adapters pass the norm's output on. Without an example every norm is left alone; an
-    example the model cannot run is an :class:`ExampleInputError`."""
+    GELU/SiLU functions and training dropouts called in modules other than ``activations``; the dropouts the
+    surgery converts (``passing``) pass the norm's output on to their readers. Without an example every norm is
+    left alone; an example the model cannot run is an :class:`ExampleInputError`."""
     if example is None:
         flow = Flow()
         for name in norms:
@@ -256,7 +257,7 @@ def probe(
     named = dict(model.named_modules())
     try:
         norms_by_name = {name: (named[name], shape) for name, shape in norms.items()}
-        return _trace(model, example, norms_by_name, activations, set(folded))
+        return _trace(model, example, norms_by_name, activations, set(passing))
     except Exception as err:
         raise ExampleInputError(
             f"apply_lowmem: {type(model).__name__} cannot run the example input ({type(err).__name__}: {err}); "
