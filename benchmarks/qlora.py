@@ -43,7 +43,7 @@ def bf16() -> torch.autocast:
 
 def qlora_llama(
     directory: str | Path, hidden: int, intermediate: int, heads: int, layers: int = 2, rank: int = 8,
-    bits: int = 4, targets: list[str] = ALL_LINEARS,
+    bits: int = 4, targets: list[str] = ALL_LINEARS, dropout: float = 0.0,
 ) -> nn.Module:  # fmt: skip
     """A random LLaMA loaded the QLoRA way: quantized by transformers' BitsAndBytesConfig (nf4 with bf16 compute,
     or int8), prepared for k-bit training (norms, embeddings and head in fp32), LoRA on ``targets`` with a random
@@ -66,7 +66,9 @@ def qlora_llama(
         raise ValueError(f"qlora_llama: bits must be 4 or 8, got {bits!r}")
     model = transformers.LlamaForCausalLM.from_pretrained(directory, quantization_config=quantization, device_map="cpu")
     model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
-    model = peft.get_peft_model(model, peft.LoraConfig(r=rank, lora_alpha=16, lora_dropout=0.0, target_modules=targets))
+    model = peft.get_peft_model(
+        model, peft.LoraConfig(r=rank, lora_alpha=16, lora_dropout=dropout, target_modules=targets)
+    )
     for name, param in model.named_parameters():
         if "lora_B" in name:
             nn.init.normal_(param, std=0.02)

@@ -27,9 +27,9 @@ LAYERS, HIDDEN, INTERMEDIATE, RANK = 2, 64, 128, 8
 PREFIX = "base_model.model.model."
 
 
-def qlora_llama(tmp_path, bits: int = 4, targets: list[str] = ALL_LINEARS) -> nn.Module:
+def qlora_llama(tmp_path, bits: int = 4, targets: list[str] = ALL_LINEARS, dropout: float = 0.0) -> nn.Module:
     return qlora.qlora_llama(
-        tmp_path, HIDDEN, INTERMEDIATE, heads=4, layers=LAYERS, rank=RANK, bits=bits, targets=targets
+        tmp_path, HIDDEN, INTERMEDIATE, heads=4, layers=LAYERS, rank=RANK, bits=bits, targets=targets, dropout=dropout
     )
 
 
@@ -91,6 +91,15 @@ def test_qlora_nf4_converts_norms_fuses_mlps_and_saves_a_quarter_less(tmp_path):
     # MatMul4Bit keeps only the quantized weight: SavedTensorMeter sees everything either model holds
     assert held_bytes(model, x) == report.saved_bytes_after
     assert held_bytes(stock, x) == report.saved_bytes_before
+
+
+def test_qlora_nf4_with_lora_dropout_saves_what_it_saves_without(tmp_path):
+    x = tokens()
+    without = converted(qlora_llama(tmp_path / "none"), x)[1]
+    model, report = converted(qlora_llama(tmp_path / "dropout", dropout=0.05), x)
+    assert report.activation_bytes_after <= 1.03 * without.activation_bytes_after
+    assert report.activation_bytes_before > 1.2 * without.activation_bytes_before  # stock pays a copy per adapter
+    assert model.get_submodule(PREFIX + "layers.0.self_attn.q_proj.lora_A.default").dropout == 0.05
 
 
 def test_qlora_nf4_saves_what_the_formula_says_outside_attention(tmp_path):
