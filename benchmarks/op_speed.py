@@ -42,6 +42,7 @@ from lightning_lowmem.registry.activations import ACTIVATIONS
 
 SHAPES = ((8, 197, 3072), (8, 197, 768), (2, 2048, 11008), (2, 2048, 4096))
 DTYPES = (torch.float32, torch.bfloat16)
+DROPOUT = 0.1
 
 
 @functools.cache
@@ -88,6 +89,10 @@ OPS: dict[str, tuple[Callable, Callable]] = {  # name -> (low-memory op, stock o
         lambda x: functional.ms_rms_norm(x, x.shape[-1:]),
         lambda x: F.rms_norm(x, x.shape[-1:], eps=1e-6),
     ),
+    "seeded dropout / dropout, p=0.1": (
+        lambda x: functional.seeded_dropout(x, DROPOUT),
+        lambda x: F.dropout(x, DROPOUT),
+    ),
 }
 
 
@@ -120,6 +125,12 @@ def kernel_calls(name: str, x: torch.Tensor, g: torch.Tensor) -> dict[str, tuple
         return {
             "fwd": (lambda: impl.act_codes(x, step.thresholds), n * size + packed_bytes),
             "bwd": (lambda: impl.act_backward(g, packed, step.levels), 2 * n * size + packed_bytes),
+        }
+    if name.startswith("seeded dropout"):  # the mask drawn from the seed, applied to x, then to the gradient
+        seed = torch.tensor([1])
+        return {
+            "fwd": (lambda: impl.dropout(x, DROPOUT, seed), 2 * n * size),
+            "bwd": (lambda: impl.dropout(g, DROPOUT, seed), 2 * n * size),
         }
     center = name.startswith("MS-LN")
     if name.endswith("frozen affine"):  # writes y alone; its backward rebuilds z from y
@@ -260,7 +271,9 @@ def main() -> None:
         "codes only; the op adds the stock activation). The norms are affine-free except in the rows with a "
         "frozen affine (weight and bias needing no gradient, as under LoRA; `|bias| < |weight|` but in 0.25% "
         "of the columns, as in pretrained norms): there the low-memory norm saves its output, which its readers "
-        "save too, and `z` exactly at those columns; its backward rebuilds `z` from the output.\n\n" + table
+        "save too, and `z` exactly at those columns; its backward rebuilds `z` from the output. Dropout: "
+        f"p = {DROPOUT}; stock `F.dropout` draws and keeps a mask, the seeded one draws it from its seed in "
+        "forward and again in backward.\n\n" + table
     )
     write_section(
         "kernels", body, f"python -m benchmarks.op_speed --repeats {args.repeats} --processes {args.processes}"

@@ -46,12 +46,12 @@ def vit(setting: str, img_size: int = 224) -> nn.Module:
     return zoo.lora(model, VIT_LORA[setting]) if setting in VIT_LORA else model
 
 
-def llama() -> nn.Module:
+def llama(dropout: float = 0.0) -> nn.Module:
     model = zoo.llama(
         vocab_size=1024, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512,
     )  # fmt: skip
-    return zoo.lora(model, zoo.LLAMA_LINEARS)
+    return zoo.lora(model, zoo.LLAMA_LINEARS, lora_dropout=dropout)
 
 
 def loss_of(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
@@ -114,7 +114,9 @@ def cases(image: torch.Tensor, tokens: torch.Tensor):
     for autocast in (False, True):
         for setting in ("full fine-tuning", *VIT_LORA):
             yield "vit_small_patch16_224", setting, autocast, lambda setting=setting: vit(setting, side), image
-        yield f"Llama (4 layers, d=256), seq {tokens.shape[-1]}", "LoRA on all linears", autocast, llama, tokens
+        llama_name = f"Llama (4 layers, d=256), seq {tokens.shape[-1]}"
+        yield llama_name, "LoRA on all linears", autocast, llama, tokens
+        yield llama_name, "LoRA on all linears, lora_dropout 0.05", autocast, lambda: llama(0.05), tokens
 
 
 def _count(report: LowMemReport, kind: str) -> str:

@@ -25,7 +25,6 @@ from lightning_lowmem.nn import (
     LowMemLinear,
     LowMemTransposedLinear,
     MemorySharingNorm,
-    SeededDropout,
     MSRMSNorm,
     PackedGatedMLP,
     T5GatedMLP,
@@ -285,7 +284,8 @@ def test_packed_and_t5_gated_mlps_fuse_with_their_child_names(name, cls):
 
 
 def test_t5_gated_mlp_with_dropout_keeps_gate_and_up():
-    """T5's dropout sits between the product and ``wo``: ``wo`` saves a dropped copy, so the op keeps gate and up."""
+    """T5's dropout sits between the product and ``wo``: left stock, ``wo`` saves a dropped copy, so the op keeps
+    gate and up; folded into ``wo`` (the default), ``wo`` reads the product itself, which the op then shares."""
     import transformers
 
     config = transformers.T5Config(
@@ -300,9 +300,10 @@ def test_t5_gated_mlp_with_dropout_keeps_gate_and_up():
     ours = model.train()(x)
     torch.manual_seed(3)
     torch.testing.assert_close(ours, stock.train()(x))  # the same dropout mask: the same function
-    seeded = copy.deepcopy(stock)
-    apply_lowmem(seeded, example_input=x)
-    assert isinstance(seeded[0].dropout, SeededDropout) and seeded[0].resolved_mode() == "gate_up"
+    folded = copy.deepcopy(stock)
+    report = apply_lowmem(folded, example_input=x)
+    assert isinstance(folded[0].dropout, nn.Identity) and folded[0].wo.dropout == 0.1
+    assert folded[0].resolved_mode() == "gate" and report.status("0.dropout") == "converted"
 
 
 @pytest.mark.parametrize("name", POST_LN)

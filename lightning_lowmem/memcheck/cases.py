@@ -2,7 +2,7 @@
 
 Every model is built with and without LowMemBP (``apply_lowmem``), under fp32 and bf16, with
 Lightning's own precision plugin (``stock``) and with ``LowMemPrecision``, so the gate guards
-each part's contribution.
+each part's contribution; the LLaMA also with the common LoRA recipe (``lora_dropout=0.05``).
 """
 
 from __future__ import annotations
@@ -34,6 +34,15 @@ def llama() -> tuple[nn.Module, Any]:
     return LlamaForCausalLM(config), {"input_ids": torch.randint(0, 512, (4, 128))}
 
 
+def llama_lora_dropout() -> tuple[nn.Module, Any]:
+    """The LLaMA above with peft LoRA (r 8) on every linear layer and ``lora_dropout=0.05``."""
+    from peft import LoraConfig, get_peft_model
+
+    model, batch = llama()
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    return get_peft_model(model, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.05, target_modules=targets)), batch
+
+
 # (name, lowmem, plugin, precisions)
 _METHODS = (
     ("stock", False, "stock", ("32-true", "bf16-mixed", "bf16-true")),
@@ -46,4 +55,7 @@ CASES = [
     for build in (vit, llama)
     for method, lowmem, plugin, precisions in _METHODS
     for precision in precisions
+] + [
+    Case(f"llama_lora_dropout/{method}/bf16-mixed", llama_lora_dropout, "bf16-mixed", lowmem, plugin)
+    for method, lowmem, plugin, _ in _METHODS
 ]
