@@ -5,11 +5,14 @@ from __future__ import annotations
 import copy
 import math
 
+import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import run_ddp_script
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+from torch.utils.data import DataLoader, TensorDataset
 
 from benchmarks import zoo
 from lightning_lowmem import apply_lowmem, kernels
@@ -316,3 +319,58 @@ def test_functional_dropouts_are_reported():
     report = apply_lowmem(model, example_input=torch.randn(2, 8))
     (entry,) = [e for e in report.entries if e.kind == "functional"]
     assert (entry.name, entry.was) == ("0", "F.dropout")
+
+
+class LoraLlama(pl.LightningModule):
+    """A LightningModule as users write it: a peft LLaMA with ``lora_dropout=0.05``, no example input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = lora_llama(0.05)
+
+    def training_step(self, batch, batch_idx):
+        return self.model(input_ids=batch[0], labels=batch[0]).loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-3)
+
+
+def token_loader() -> DataLoader:
+    return DataLoader(TensorDataset(torch.randint(0, 128, (8, 16))), batch_size=2)
+
+
+DDP_SCRIPT = """
+import json, torch
+import lightning.pytorch as pl
+import torch.nn.functional as F
+from test_dropout import LoraLlama, token_loader
+from lightning_lowmem.lightning import LowMemBP
+from lightning_lowmem.ops.dropout import seeded_dropout
+
+pl.seed_everything({seed} + {per_rank} * int(__import__("os").environ.get("LOCAL_RANK", 0)))
+callback = LowMemBP()
+trainer = pl.Trainer(accelerator="cpu", strategy="ddp", devices=2, max_steps=2, logger=False,
+                     enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                     callbacks=[callback], default_root_dir={root!r})
+module = LoraLlama()
+trainer.fit(module, token_loader())
+ones = torch.ones(4096)
+state = torch.get_rng_state()
+stock = F.dropout(ones, 0.5) != 0
+torch.set_rng_state(state)
+ours = seeded_dropout(ones, 0.5) != 0
+gathered = [trainer.strategy.all_gather(mask.float()) for mask in (stock, ours)]
+if trainer.global_rank == 0:
+    json.dump({{"dropouts": sum(e.kind == "dropout" for e in callback.report.converted), "steps": trainer.global_step,
+               "stock_ranks_equal": bool(torch.equal(*gathered[0])), "ours_ranks_equal": bool(torch.equal(*gathered[1]))}},
+              open({out!r}, "w"))
+"""
+
+
+@pytest.mark.parametrize("per_rank", [0, 1], ids=["one seed", "a seed per rank"])
+def test_lowmem_bp_folds_lora_dropouts_and_ddp_ranks_draw_as_stock_does(tmp_path, per_rank):
+    """Under DDP each rank draws its seeds from its own generator: the ranks' masks agree exactly when stock
+    dropout's would (Lightning seeds every rank alike unless told otherwise)."""
+    result = run_ddp_script(tmp_path, DDP_SCRIPT, seed=3, per_rank=per_rank)
+    assert result["dropouts"] == 14 and result["steps"] == 2
+    assert result["stock_ranks_equal"] == result["ours_ranks_equal"] == (per_rank == 0)
