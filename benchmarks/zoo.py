@@ -59,6 +59,31 @@ def bert(cls_name: str = "BertForSequenceClassification", **config: Any) -> nn.M
     return getattr(transformers, cls_name)(transformers.BertConfig(**{**defaults, **config}))
 
 
+def hidden_dropout(family: str, p: float) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    """A tiny ``family`` model ("bert", "gpt2" or "t5"; hidden 64, two layers) with hidden (residual, embedding)
+    dropout ``p`` and attention dropout 0, and its input."""
+    import transformers
+
+    ids = tokens()
+    if family == "bert":
+        return bert(hidden_dropout_prob=p), {"input_ids": ids}
+    if family == "gpt2":
+        config = transformers.GPT2Config(
+            vocab_size=VOCAB, n_embd=HIDDEN, n_layer=2, n_head=4, n_positions=64, resid_pdrop=p, embd_pdrop=p,
+            attn_pdrop=0.0, bos_token_id=1, eos_token_id=2,
+        )  # fmt: skip
+        return transformers.GPT2LMHeadModel(config), {"input_ids": ids}
+    config = transformers.T5Config(
+        vocab_size=VOCAB, d_model=HIDDEN, d_kv=16, d_ff=2 * HIDDEN, num_layers=2, num_heads=4,
+        feed_forward_proj="gated-gelu", dropout_rate=p,
+    )  # fmt: skip
+    model = transformers.T5ForConditionalGeneration(config)
+    for module in model.modules():  # T5 drops attention weights at its one rate: hidden dropout alone here
+        if isinstance(module, transformers.models.t5.modeling_t5.T5Attention):
+            module.dropout = 0.0
+    return model, {"input_ids": ids, "decoder_input_ids": ids}
+
+
 def lora(model: nn.Module, targets: list[str], random_b: bool = False, **config: Any) -> nn.Module:
     """``model`` with peft LoRA adapters on ``targets``: by default r 4, alpha 8, dropout 0 (``config``
     overrides any ``LoraConfig`` field); ``random_b`` draws B at random, so that the adapters change the

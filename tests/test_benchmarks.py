@@ -18,6 +18,7 @@ SMOKE = {
     "budget.py": ["--smoke"],
     "qlora.py": ["--smoke"],
     "surgery.py": ["--smoke"],
+    "dropout.py": ["--smoke"],
 }
 
 

@@ -242,35 +242,11 @@ def test_the_norm_under_a_folded_lora_dropout_stays_shared():
     assert detail == "folded into lora_A.default (p=0.05): it saves its input and a seed, not a dropped copy"
 
 
-def hidden_dropout_model(family: str, p: float) -> tuple[nn.Module, dict]:
-    """A tiny model of ``family`` with hidden (residual, embedding) dropout ``p`` and attention dropout 0."""
-    import transformers
-
-    torch.manual_seed(0)
-    ids = zoo.tokens()
-    if family == "bert":
-        return zoo.bert(hidden_dropout_prob=p), {"input_ids": ids}
-    if family == "gpt2":
-        config = transformers.GPT2Config(
-            vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=64, resid_pdrop=p, embd_pdrop=p, attn_pdrop=0.0
-        )
-        return transformers.GPT2LMHeadModel(config), {"input_ids": ids}
-    config = transformers.T5Config(
-        vocab_size=128, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4, feed_forward_proj="gated-gelu",
-        dropout_rate=p,
-    )  # fmt: skip
-    model = transformers.T5ForConditionalGeneration(config)
-    for module in model.modules():  # T5 drops attention weights at its one rate: hidden dropout alone here
-        if isinstance(module, transformers.models.t5.modeling_t5.T5Attention):
-            module.dropout = 0.0
-    return model, {"input_ids": ids, "decoder_input_ids": ids}
-
-
 @pytest.mark.parametrize("family", ["bert", "gpt2", "t5"])
 def test_hidden_dropout_costs_at_most_three_percent_over_none(family):
     figures = {}
     for p in (0.0, 0.1):
-        model, example = hidden_dropout_model(family, p)
+        model, example = zoo.hidden_dropout(family, p)
         report = apply_lowmem(model, example_input=example)
         figures[p] = report.activation_bytes_before, report.activation_bytes_after
         if p:
@@ -281,7 +257,7 @@ def test_hidden_dropout_costs_at_most_three_percent_over_none(family):
 
 
 def test_bert_embedding_dropout_keeps_its_norm_shared():
-    model, example = hidden_dropout_model("bert", 0.1)
+    model, example = zoo.hidden_dropout("bert", 0.1)
     report = apply_lowmem(model, example_input=example)
     assert report.status("bert.embeddings.LayerNorm") == "converted"
     query = model.bert.encoder.layer[0].attention.self.query
@@ -294,7 +270,7 @@ def test_bert_embedding_dropout_keeps_its_norm_shared():
 
 
 def test_dropouts_are_reported_and_can_be_left_stock():
-    model, example = hidden_dropout_model("bert", 0.1)
+    model, example = zoo.hidden_dropout("bert", 0.1)
     report = apply_lowmem(copy.deepcopy(model), example_input=example)
     entry = next(e for e in report.entries if e.name == "bert.encoder.layer.0.output.dropout")
     assert (entry.kind, entry.status, entry.detail) == (
