@@ -230,6 +230,19 @@ def test_a_folded_lora_dropout_computes_lora_on_the_regenerated_mask():
         )
 
 
+def test_a_converted_lora_model_with_dropout_compiles_whole():
+    model = lora_llama(0.1)
+    x = torch.randint(0, 128, (2, 16))
+    apply_lowmem(model, example_input=x)
+    explanation = torch._dynamo.explain(model)(input_ids=x, labels=x)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    loss = compiled(input_ids=x, labels=x).loss
+    loss.backward()
+    lora_a = model.base_model.model.model.layers[0].self_attn.q_proj.lora_A["default"]
+    assert torch.isfinite(loss) and lora_a.weight.grad is not None and lora_a.weight.grad.abs().sum() > 0
+
+
 def test_the_norm_under_a_folded_lora_dropout_stays_shared():
     model = lora_llama(0.05)
     x = torch.randint(0, 128, (2, 16))

@@ -59,14 +59,15 @@ class Candidates:
     gated: dict[str, GatedMLPBase] = field(default_factory=dict)  # -> its verified fused replacement
     linears: dict[str, LinearKind] = field(default_factory=dict)  # every linear layer not yet sharing a norm
     dropouts: dict[str, float] = field(default_factory=dict)  # model dropouts -> p
-    folded: dict[str, tuple[str, float]] = field(default_factory=dict)  # LoRA dropouts -> (their lora_A, p)
+    folded: dict[str, tuple[str, float]] = field(default_factory=dict)  # dropouts -> (the linear taking them in, p)
     entries: dict[str, Entry] = field(default_factory=dict)
 
     def leave(self, name: str, kind: EntryKind, module: nn.Module, reason: str) -> None:
         self.entries[name] = Entry(name, kind, type(module).__name__, "left alone", reason)
 
-    def lora_a(self) -> dict[str, float]:
-        """The ``lora_A`` layers that take their adapter's dropout in, with its probability."""
+    def takes_dropout(self) -> dict[str, float]:
+        """The linear layers that take in the dropout before them (a LoRA adapter's ``lora_A``, T5's ``wo``), with
+        its probability."""
         return dict(self.folded.values())
 
 
@@ -83,10 +84,10 @@ def nominate(model: nn.Module, options: Options) -> Candidates:
     fused_activations = _nominate_gated(model, options, found)
     if options.dropout:
         _nominate_lora_dropouts(model, options, found)
-    linear_layers = LinearLayers()
+    linear_layers, takes_dropout = LinearLayers(), found.takes_dropout()
     for name, module in model.named_modules():
         if isinstance(module, LOW_MEMORY_LINEARS):  # a consumer already, or one a norm converted now may take
-            kind = module.linear_kind if module.norm is None or name in found.lora_a() else None
+            kind = module.linear_kind if module.norm is None or name in takes_dropout else None
         else:
             kind = linear_layers.kind(module)
         if kind is not None:

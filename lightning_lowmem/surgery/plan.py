@@ -135,14 +135,14 @@ def make_plan(model: nn.Module, found: Candidates, flow: Flow, options: Options)
         norm_of.update(dict.fromkeys(consumers, new))
         plan.functional_callers += [named[c] for c in callers if named[c] not in plan.functional_callers]
         replace(name, "norm", new, _norm_detail(name, spec, consumers, callers))
-    folded = found.lora_a()  # lora_A name -> the dropout probability it takes in
+    folded = found.takes_dropout()
     for name, kind in found.linears.items():
         module = named[name]
         recasts = isinstance(module, LOW_MEMORY_LINEARS)  # converted by an earlier run
         recast = options.linear and options.selected(name) and is_plain(module) and not recasts
         if name in norm_of or name in folded or recast:
-            norm = norm_of.get(name, getattr(module, "norm", None))
-            dropout = {"dropout": folded[name]} if name in folded else {}  # LowMemLinear's alone (peft's lora_A)
+            norm = norm_of.get(name, module.norm if recasts else None)
+            dropout = {"dropout": folded[name]} if name in folded else {}  # LowMemLinear's alone: nn.Linear's
             plan.replacements[module] = _LOW_MEMORY_LINEARS[kind].from_linear(module, norm, **dropout)
             plan.linears += not recasts
     for name, p in found.dropouts.items():
