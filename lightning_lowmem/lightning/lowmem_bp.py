@@ -47,9 +47,10 @@ class LowMemBP(Callback):
     GELU/SiLU modules become ReGELU2/ReSiLU2, gated MLPs one fused exact product that saves less,
     LayerNorm/RMSNorm layers whose output linear layers read memory-sharing norms (decided by a
     probe forward on ``LightningModule.example_input_array``, or, without one, on the first
-    training batch's forward), linear layers recast their weights in backward. Parameter names do
-    not change, so checkpoints load into the stock model and back. The report is printed once on
-    rank 0 and kept in :attr:`report`.
+    training batch's forward), linear layers recast their weights in backward, dropouts keep a seed
+    instead of a mask (a LoRA adapter's folded into its ``lora_A``). Parameter names do not change,
+    so checkpoints load into the stock model and back. The report is printed once on rank 0 and
+    kept in :attr:`report`.
 
     Strategies: DDP; FSDP2 (``ModelParallelStrategy``, ``fully_shard`` in ``configure_model``: the sharded
     model is converted); FSDP (``FSDPStrategy``, with :class:`~lightning_lowmem.LowMemFSDPPrecision`) only

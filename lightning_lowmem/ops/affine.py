@@ -91,7 +91,7 @@ class AffineLinearFunction(torch.autograd.Function):
         if needs_w and seed is None:
             grad_w = _weight_grad(grad_2d, grad_sum, saved, gamma, beta, dtype, ctx.offset, ctx.shared)
         elif needs_w:
-            grad_w = grad_2d.t() @ _dropped_input(saved, gamma, beta, dtype, ctx.offset, ctx.shared, ctx.p, seed)
+            grad_w = grad_2d.t() @ _dropped_input(ctx, saved, gamma, beta, seed)
         if needs_w:
             grad_w = grad_w.to(weight.dtype)
         if needs_b:
@@ -104,26 +104,17 @@ class AffineLinearFunction(torch.autograd.Function):
         return grad_x, None, grad_w, grad_b, None, None, None, None, None, None, None
 
 
-def _dropped_input(
-    saved: torch.Tensor,
-    gamma: torch.Tensor | None,
-    beta: torch.Tensor | None,
-    dtype: torch.dtype,
-    offset: float,
-    shared: bool,
-    p: float,
-    seed: torch.Tensor,
-) -> torch.Tensor:
+def _dropped_input(ctx, saved: torch.Tensor, gamma, beta, seed: torch.Tensor) -> torch.Tensor:
     """The input the layer read in forward, ``dropout(x)`` as rows: ``x`` rebuilt from the saved tensor (from a
-    shared ``z``: ``(gamma + offset) * z + beta``, in the parameters' precision, rounded to ``dtype``), then the
-    forward's mask from its seed."""
+    shared ``z``: ``(gamma + offset) * z + beta``, in the parameters' precision, rounded to ``ctx.dtype``), then
+    the forward's mask from its seed."""
     x = saved
-    if shared and (gamma is not None or beta is not None):
-        acc = torch.promote_types(dtype, (gamma if gamma is not None else beta).dtype)
+    if ctx.shared and (gamma is not None or beta is not None):
+        acc = torch.promote_types(ctx.dtype, (gamma if gamma is not None else beta).dtype)
         x = saved.to(acc)
-        x = x * affine_scale(gamma, offset).to(acc) if gamma is not None else x
+        x = x * affine_scale(gamma, ctx.offset).to(acc) if gamma is not None else x
         x = x + beta.to(acc) if beta is not None else x
-    dropped = kernels.implementation(saved.device).dropout(x.to(dtype), p, seed)
+    dropped = kernels.implementation(saved.device).dropout(x.to(ctx.dtype), ctx.p, seed)
     return dropped.reshape(-1, dropped.shape[-1])
 
 
