@@ -317,6 +317,34 @@ at::Tensor dropout_op(const at::Tensor& x, double p, const at::Tensor& seed) {
   return out;
 }
 
+#if !defined(LOWMEM_CUDA)
+// The per-row loss of fp32 logits, which are overwritten with the loss's gradient (see cross_entropy_grad).
+at::Tensor cross_entropy_grad_op(at::Tensor& logits, const at::Tensor& target, int64_t ignore_index,
+                                 double label_smoothing, double softcap) {
+  check_tensor("cross_entropy_grad_", "logits", logits);
+  check_tensor("cross_entropy_grad_", "target", target);
+  TORCH_CHECK_VALUE(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.is_contiguous(),
+                    "cross_entropy_grad_: logits must be contiguous float32 rows, got ", logits.sizes(), " ",
+                    logits.scalar_type());
+  TORCH_CHECK_VALUE(target.scalar_type() == at::kLong && target.dim() == 1 && target.size(0) == logits.size(0),
+                    "cross_entropy_grad_: target must be ", logits.size(0), " int64 values on ", logits.device());
+  TORCH_CHECK_VALUE(label_smoothing >= 0.0 && label_smoothing <= 1.0 && softcap >= 0.0,
+                    "cross_entropy_grad_: label_smoothing must be in [0, 1] and softcap >= 0, got ", label_smoothing,
+                    ", ", softcap);
+  const at::Tensor targets = target.contiguous();
+  if (logits.size(1) > 0) {
+    const int64_t* t = targets.const_data_ptr<int64_t>();
+    for (int64_t r = 0; r < targets.numel(); ++r) {
+      TORCH_CHECK_INDEX(t[r] == ignore_index || (t[r] >= 0 && t[r] < logits.size(1)), "cross_entropy_grad_: target ",
+                        t[r], " is out of bounds for ", logits.size(1), " classes");
+    }
+  }
+  at::Tensor loss = at::empty({logits.size(0)}, logits.options());
+  if (logits.numel() > 0) cross_entropy_grad(logits, targets, ignore_index, label_smoothing, softcap, loss);
+  return loss;
+}
+#endif
+
 }  // namespace
 }  // namespace lowmem
 
@@ -339,5 +367,6 @@ TORCH_LIBRARY_IMPL(lowmem, LOWMEM_DISPATCH_KEY, m) {
   m.impl("norm_exact_columns", &lowmem::norm_exact_columns_op);
   m.impl("norm_output_forward", &lowmem::norm_output_forward_op);
   m.impl("norm_output_backward", &lowmem::norm_output_backward_op);
+  m.impl("cross_entropy_grad_", &lowmem::cross_entropy_grad_op);
 #endif
 }

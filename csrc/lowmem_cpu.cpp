@@ -820,6 +820,59 @@ void gated_backward_reduced_kernel(const T* grad, const T* gate, const T* second
   });
 }
 
+// Cross-entropy of one row of logits, overwritten with its gradient: (capped and) summed and maxed in one
+// pass, exp-summed in a second, turned into softmax - (1 - eps) * onehot - eps / V (times the capping's slope
+// 1 - (c / cap)^2) in a third; the row stays in cache between them (a fused head passes rows of a chunk).
+template <bool kCap>
+float cross_entropy_row(float* row, int64_t vocab, int64_t target, float eps, float cap) {
+  using fVec = Vectorized<float>;
+  const fVec cap_v(cap), inv_cap_v(kCap ? 1.0f / cap : 1.0f);
+  fVec max_v(-std::numeric_limits<float>::infinity()), sum_v(0.0f);
+  float max_s = -std::numeric_limits<float>::infinity(), sum_s = 0.0f;
+  int64_t v = 0;
+  for (; v + fVec::size() <= vocab; v += fVec::size()) {
+    fVec c = fVec::loadu(row + v);
+    if constexpr (kCap) {
+      c = cap_v * (c * inv_cap_v).tanh();
+      c.store(row + v);
+    }
+    max_v = at::vec::maximum(max_v, c);
+    sum_v = sum_v + c;
+  }
+  for (; v < vocab; ++v) {
+    float c = row[v];
+    if constexpr (kCap) row[v] = c = cap * std::tanh(c / cap);
+    max_s = std::max(max_s, c);
+    sum_s += c;
+  }
+  const float peak = std::max(max_s, at::vec::vec_reduce_all([](fVec a, fVec b) { return at::vec::maximum(a, b); },
+                                                             max_v));
+  const float total = sum_s + at::vec::vec_reduce_all([](fVec a, fVec b) { return a + b; }, sum_v);
+  const fVec peak_v(peak);
+  fVec exp_v(0.0f);
+  float exp_s = 0.0f;
+  for (v = 0; v + fVec::size() <= vocab; v += fVec::size()) exp_v = exp_v + (fVec::loadu(row + v) - peak_v).exp();
+  for (; v < vocab; ++v) exp_s += std::exp(row[v] - peak);
+  const float sum_exp = exp_s + at::vec::vec_reduce_all([](fVec a, fVec b) { return a + b; }, exp_v);
+  const float picked = row[target];
+  const float loss = peak + std::log(sum_exp) - (1.0f - eps) * picked - eps * total / static_cast<float>(vocab);
+  const fVec inv_v(1.0f / sum_exp), smooth_v(eps / static_cast<float>(vocab)), one_v(1.0f);
+  for (v = 0; v + fVec::size() <= vocab; v += fVec::size()) {
+    const fVec c = fVec::loadu(row + v);
+    fVec g = (c - peak_v).exp() * inv_v - smooth_v;
+    if constexpr (kCap) g = g * (one_v - (c * inv_cap_v) * (c * inv_cap_v));
+    g.store(row + v);
+  }
+  for (; v < vocab; ++v) {
+    const float c = row[v];
+    float g = std::exp(c - peak) / sum_exp - eps / static_cast<float>(vocab);
+    if constexpr (kCap) g *= 1.0f - (c / cap) * (c / cap);
+    row[v] = g;
+  }
+  row[target] -= (1.0f - eps) * (kCap ? 1.0f - (picked / cap) * (picked / cap) : 1.0f);
+  return loss;
+}
+
 // Dropout: the Philox words of a block of counters computed structure-of-arrays (each round one loop over the
 // counters, which the compiler vectorizes), then the block's elements kept and scaled, or zeroed.
 constexpr int64_t kDropoutCounters = 256;  // 1024 elements per block
@@ -1037,6 +1090,27 @@ void dropout(const at::Tensor& x, double p, const at::Tensor& seed, at::Tensor& 
     using acc_t = at::opmath_type<scalar_t>;
     dropout_kernel(x.const_data_ptr<scalar_t>(), x.numel(), key, dropout_threshold(p),
                    static_cast<acc_t>(1.0 / (1.0 - p)), out.mutable_data_ptr<scalar_t>());
+  });
+}
+
+void cross_entropy_grad(at::Tensor& logits, const at::Tensor& target, int64_t ignore_index, double label_smoothing,
+                        double softcap, at::Tensor& loss) {
+  float* rows = logits.mutable_data_ptr<float>();
+  const int64_t* targets = target.const_data_ptr<int64_t>();
+  float* losses = loss.mutable_data_ptr<float>();
+  const int64_t vocab = logits.size(1);
+  const float eps = static_cast<float>(label_smoothing), cap = static_cast<float>(softcap);
+  at::parallel_for(0, logits.size(0), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      float* row = rows + r * vocab;
+      if (targets[r] == ignore_index) {
+        std::fill(row, row + vocab, 0.0f);
+        losses[r] = 0.0f;
+      } else {
+        losses[r] = cap > 0 ? cross_entropy_row<true>(row, vocab, targets[r], eps, cap)
+                            : cross_entropy_row<false>(row, vocab, targets[r], eps, cap);
+      }
+    }
   });
 }
 

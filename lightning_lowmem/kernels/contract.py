@@ -130,3 +130,12 @@ class KernelContract(Protocol):
         under key ``seed`` (one int64 on ``x``'s device) is at least ``round(p * 2^32)`` (``csrc/lowmem_math.h``:
         ATen's and Triton's Philox, so every backend draws the same mask). A backward applies the forward's mask
         by calling it on the gradient with the same seed: nothing but the seed is saved."""
+
+    def cross_entropy_grad_(
+        self, logits: torch.Tensor, target: torch.Tensor, ignore_index: int, label_smoothing: float, softcap: float
+    ) -> torch.Tensor:
+        """The per-row cross-entropy of ``logits`` (rows x vocabulary, fp32, contiguous; ``softcap > 0``: of
+        ``softcap * tanh(logits / softcap)``, Gemma 2's final capping) against ``target`` (int64 per row; a row whose
+        target is ``ignore_index`` has loss 0), with ``label_smoothing`` as ``F.cross_entropy`` takes it; fp32
+        log-sum-exp. ``logits`` is overwritten with the loss's gradient with respect to it (0 on ignored rows):
+        one chunk of a fused linear + cross-entropy never holds logits and their gradient at once."""

@@ -55,6 +55,9 @@ SCHEMAS = {
     "gated_backward": "(Tensor grad, Tensor gate, Tensor second, str kind, Tensor? act) -> (Tensor, Tensor)",
     "stock_activation": "(Tensor x, str kind) -> Tensor",
     "dropout": "(Tensor x, float p, Tensor seed) -> Tensor",
+    "cross_entropy_grad_": (
+        "(Tensor(a!) logits, Tensor target, int ignore_index, float label_smoothing, float softcap) -> Tensor"
+    ),
 }
 
 AUTOGRAD_SCHEMAS = {
@@ -184,6 +187,13 @@ def _gated_backward_fake(
 @torch.library.register_fake(f"{NAMESPACE}::dropout")
 def _dropout_fake(x: torch.Tensor, p: float, seed: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake(f"{NAMESPACE}::cross_entropy_grad_")
+def _cross_entropy_grad_fake(
+    logits: torch.Tensor, target: torch.Tensor, ignore_index: int, label_smoothing: float, softcap: float
+) -> torch.Tensor:
+    return logits.new_empty(logits.shape[0])
 
 
 @torch.library.register_fake(f"{NAMESPACE}::stock_activation")

@@ -317,3 +317,37 @@ def dropout(x: torch.Tensor, p: float, seed: torch.Tensor) -> torch.Tensor:
     acc = accumulate_dtype(x.dtype)
     kept = x.contiguous().to(acc) * (1.0 / (1.0 - p))
     return torch.where(keep, kept, torch.zeros((), dtype=acc, device=x.device)).to(x.dtype)
+
+
+def check_cross_entropy(logits: torch.Tensor, target: torch.Tensor, label_smoothing: float, softcap: float) -> None:
+    if logits.dim() != 2 or logits.dtype != torch.float32 or not logits.is_contiguous():
+        raise ValueError(
+            f"cross_entropy_grad_: logits must be contiguous float32 rows, got {tuple(logits.shape)} {logits.dtype}"
+        )
+    if target.dtype != torch.int64 or target.shape != logits.shape[:1] or target.device != logits.device:
+        raise ValueError(f"cross_entropy_grad_: target must be {logits.shape[0]} int64 values on {logits.device}")
+    if not 0.0 <= label_smoothing <= 1.0 or softcap < 0:
+        raise ValueError(
+            f"cross_entropy_grad_: label_smoothing must be in [0, 1] and softcap >= 0, got {label_smoothing}, {softcap}"
+        )
+
+
+def cross_entropy_grad_(
+    logits: torch.Tensor, target: torch.Tensor, ignore_index: int, label_smoothing: float, softcap: float
+) -> torch.Tensor:
+    check_cross_entropy(logits, target, label_smoothing, softcap)
+    capped = softcap * torch.tanh(logits / softcap) if softcap else logits
+    log_probs = torch.log_softmax(capped, dim=-1)
+    ignored = target == ignore_index
+    picked = log_probs.gather(1, target.masked_fill(ignored, 0).unsqueeze(1)).squeeze(1)
+    vocab = logits.shape[1]
+    loss = -(1 - label_smoothing) * picked - label_smoothing * log_probs.mean(-1)
+    grad = log_probs.exp_() - label_smoothing / vocab
+    grad.scatter_add_(
+        1, target.masked_fill(ignored, 0).unsqueeze(1), grad.new_full((len(target), 1), label_smoothing - 1)
+    )
+    if softcap:
+        grad.mul_(1 - (capped / softcap).square())
+    grad.masked_fill_(ignored.unsqueeze(1), 0.0)
+    logits.copy_(grad)
+    return loss.masked_fill(ignored, 0.0)

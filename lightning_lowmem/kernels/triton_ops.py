@@ -311,6 +311,7 @@ norm_affine_forward = torch_ops.with_affine(norm_forward)  # the affine not fuse
 # the ops layer saves a frozen norm's output only on CPU (ops.norm): there Triton runs only interpreted, in tests
 norm_exact_columns, norm_output_forward = torch_ops.norm_exact_columns, torch_ops.norm_output_forward
 norm_output_backward = torch_ops.norm_output_backward
+cross_entropy_grad_ = torch_ops.cross_entropy_grad_  # a Triton kernel for the head's step: not yet
 
 
 def norm_backward(

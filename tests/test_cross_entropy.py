@@ -1,0 +1,168 @@
+"""The fused linear + cross-entropy: stock's loss and gradients without the logits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lightning_lowmem import kernels
+from lightning_lowmem.functional import linear_cross_entropy
+from lightning_lowmem.kernels import torch_ops
+from lightning_lowmem.memory import SavedTensorMeter
+from lightning_lowmem.ops import cross_entropy
+
+
+def stock_loss(hidden, weight, target, bias=None, softcap=None, **options):
+    logits = F.linear(hidden, weight, bias).float()
+    if softcap:
+        logits = softcap * torch.tanh(logits / softcap)
+    return F.cross_entropy(logits.view(-1, logits.shape[-1]), target.view(-1), **options).view(
+        target.shape if options.get("reduction") == "none" else ()
+    )
+
+
+def inputs(rows: int, features: int, vocab: int, dtype: torch.dtype, ignored: float = 0.2, bias: bool = False):
+    hidden = (torch.randn(rows, features) / 2).to(dtype).requires_grad_()
+    weight = (torch.randn(vocab, features) / features**0.5).to(dtype).requires_grad_()
+    target = torch.randint(0, vocab, (rows,))
+    target[torch.rand(rows) < ignored] = -100
+    return hidden, weight, target, (torch.randn(vocab).to(dtype).requires_grad_() if bias else None)
+
+
+def grads(fn, tensors, upstream=None):
+    for t in tensors:
+        t.grad = None
+    loss = fn()
+    loss.backward(upstream)
+    return loss.detach(), [t.grad.clone() for t in tensors]
+
+
+def errors(got, want, reference):
+    """The largest error of ``got`` and of ``want`` against the fp64 ``reference``, each relative to the
+    reference's magnitude."""
+
+    def error(tensors):
+        return max(
+            (t.double() - r).abs().max().item() / max(r.abs().max().item(), 1.0) for t, r in zip(tensors, reference)
+        )
+
+    return error(got), error(want)
+
+
+CASES = [
+    pytest.param({"reduction": "mean"}, {}, id="mean"),
+    pytest.param({"reduction": "sum"}, {}, id="sum"),
+    pytest.param({"reduction": "none"}, {}, id="none"),
+    pytest.param({"reduction": "mean", "label_smoothing": 0.1}, {}, id="label-smoothing"),
+    pytest.param({"reduction": "mean"}, {"softcap": 30.0}, id="softcap"),
+    pytest.param({"reduction": "none", "label_smoothing": 0.2}, {"softcap": 5.0}, id="none-smoothing-softcap"),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("options", "head"), CASES)
+@pytest.mark.parametrize("bias", [False, True], ids=["", "bias"])
+def test_loss_and_gradients_are_no_worse_than_stocks_against_float64(dtype, options, head, bias, monkeypatch):
+    monkeypatch.setattr(cross_entropy, "CHUNK_BYTES", 4 * 97 * 9)  # several chunks of 9 rows, a short last one
+    hidden, weight, target, b = inputs(40, 24, 97, dtype, bias=bias)
+    tensors = [t for t in (hidden, weight, b) if t is not None]
+    upstream = torch.randn(40) if options["reduction"] == "none" else None
+    softcap = head.get("softcap")
+    ours = grads(lambda: linear_cross_entropy(hidden, weight, target, b, softcap=softcap, **options), tensors, upstream)
+    stock = grads(lambda: stock_loss(hidden, weight, target, b, softcap, **options), tensors, upstream)
+    exact = [t.detach().double().requires_grad_() for t in tensors]
+    reference = grads(lambda: stock_loss(*exact[:2], target, exact[2] if bias else None, softcap, **options), exact,
+                      None if upstream is None else upstream.double())  # fmt: skip
+    ours_error, stock_error = errors([ours[0], *ours[1]], [stock[0], *stock[1]], [reference[0], *reference[1]])
+    slack = 1e-6 if dtype == torch.float32 else 1e-3  # a few ulps
+    assert ours_error <= 2 * stock_error + slack, (ours_error, stock_error)
+
+
+def test_tied_weights_get_both_gradients():
+    """One Parameter read as the input embedding and as the head: its gradient sums both."""
+    _, weight, target, _ = inputs(16, 8, 33, torch.float32)
+    tokens = torch.randint(0, 33, (16,))
+    results = [
+        grads(lambda fn=fn: fn(torch.tanh(F.embedding(tokens, weight)), weight, target), [weight])[1][0]
+        for fn in (linear_cross_entropy, stock_loss)
+    ]
+    torch.testing.assert_close(*results)
+
+
+def test_reduction_none_is_right_for_any_upstream_gradient_with_and_without_a_trainable_weight():
+    hidden, weight, target, _ = inputs(30, 16, 50, torch.float32)
+    upstream = torch.randn(30)
+    for trainable in (True, False):
+        weight.requires_grad_(trainable)
+        tensors = [hidden, weight] if trainable else [hidden]
+        ours = grads(lambda: linear_cross_entropy(hidden, weight, target, reduction="none"), tensors, upstream)
+        stock = grads(lambda: stock_loss(hidden, weight, target, reduction="none"), tensors, upstream)
+        torch.testing.assert_close(ours[0], stock[0])
+        for got, want in zip(ours[1], stock[1]):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_every_kernel_computes_the_reference_step(kernel_backend):
+    logits = torch.randn(13, 301, device=kernel_backend.device) * 4
+    target = torch.randint(0, 301, (13,), device=kernel_backend.device)
+    target[3] = -100
+    for smoothing, cap in ((0.0, 0.0), (0.1, 0.0), (0.0, 7.0), (0.3, 2.0)):
+        want = logits.clone()
+        want_loss = torch_ops.cross_entropy_grad_(want, target, -100, smoothing, cap)
+        got = logits.clone()
+        got_loss = kernel_backend.module.cross_entropy_grad_(got, target, -100, smoothing, cap)
+        torch.testing.assert_close(got_loss, want_loss, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+        assert torch.equal(got[3], torch.zeros(301, device=got.device)) and got_loss[3] == 0
+
+
+@pytest.mark.parametrize("trainable", [False, True], ids=["frozen head", "trained head"])
+def test_what_it_saves_per_token_is_a_sliver_of_stocks(trainable):
+    """Activation bytes (what grows with the tokens) at a 32,000 vocabulary: <= 2% of stock's."""
+    weight = torch.randn(32_000, 256, requires_grad=trainable)
+
+    def saved(fn, rows: int) -> int:
+        hidden = torch.randn(rows, 256, requires_grad=True)
+        target = torch.randint(0, 32_000, (rows,))
+        with SavedTensorMeter() as meter:
+            fn(hidden, weight, target)
+        return meter.total_bytes
+
+    slope = {fn: saved(fn, 128) - saved(fn, 64) for fn in (linear_cross_entropy, stock_loss)}
+    assert slope[linear_cross_entropy] <= 0.02 * slope[stock_loss], slope
+
+
+def test_bad_input_is_refused_clearly():
+    hidden, weight, target, _ = inputs(8, 4, 10, torch.float32)
+    with pytest.raises(ValueError, match="reduction must be one of"):
+        linear_cross_entropy(hidden, weight, target, reduction="avg")
+    with pytest.raises(ValueError, match="do not match"):
+        linear_cross_entropy(hidden, weight.t(), target)
+    with pytest.raises(ValueError, match="target must be int64 of shape \\(8,\\)"):
+        linear_cross_entropy(hidden, weight, target.float())
+    with pytest.raises(ValueError, match="softcap must be positive"):
+        linear_cross_entropy(hidden, weight, target, softcap=0.0)
+    with pytest.raises((IndexError, RuntimeError), match="out of bounds"):
+        linear_cross_entropy(hidden, weight, torch.full((8,), 10))
+    with pytest.raises(RuntimeError, match="linear_cross_entropy does not support double backward"):
+        loss = linear_cross_entropy(hidden, weight, target)
+        (g,) = torch.autograd.grad(loss, hidden, create_graph=True)
+        g.sum().backward()
+
+
+def test_compiled_fullgraph_matches_eager():
+    hidden, weight, target, _ = inputs(24, 16, 70, torch.float32)
+    compiled = torch.compile(linear_cross_entropy, fullgraph=True, backend="aot_eager")
+    ours = grads(lambda: compiled(hidden, weight, target), [hidden, weight])
+    eager = grads(lambda: linear_cross_entropy(hidden, weight, target), [hidden, weight])
+    torch.testing.assert_close(ours[0], eager[0])
+    for got, want in zip(ours[1], eager[1]):
+        torch.testing.assert_close(got, want)
+
+
+def test_the_cpu_step_runs_in_the_compiled_kernel():
+    assert kernels.backend("cpu") == "cpp"
+    logits = torch.randn(4, 50)
+    assert torch.ops.lowmem.cross_entropy_grad_(logits, torch.tensor([1, 2, -100, 4]), -100, 0.0, 0.0).shape == (4,)
+    assert torch._C._dispatch_has_kernel_for_dispatch_key("lowmem::cross_entropy_grad_", "CPU")
