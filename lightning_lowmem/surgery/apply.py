@@ -157,6 +157,8 @@ def run(report: LowMemReport, model: nn.Module, options: Options, example: Any) 
             surgery.replace(old, new)
         for caller in decided.functional_callers:
             surgery.keep_hooks(share_functional_linears(caller))
+        for module, forward in decided.forwards.items():
+            surgery.override(module, "forward", forward)
         for layer in list(redundant_input_casts(model, LowMemLinear)):  # LowMemLinear casts its input itself
             surgery.set(layer, "cast_input_dtype_enabled", False)
         if reference is not None:

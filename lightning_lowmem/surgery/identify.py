@@ -17,11 +17,13 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.func import functional_call
 
 from lightning_lowmem.memory.saved_tensors import OBSERVER
+from lightning_lowmem.nn.causal_lm import fused_loss_of
 from lightning_lowmem.nn.gated import GatedLayout, GatedMLPBase, gated_layouts
-from lightning_lowmem.registry import activations, norms
+from lightning_lowmem.registry import activations, heads, norms
 from lightning_lowmem.registry.activations import ACTIVATIONS, Activation
 from lightning_lowmem.registry.norms import NORMS, STOCK_LAYOUT, NormKindName, NormLayout
 from lightning_lowmem.surgery.example import probe_mode
@@ -296,3 +298,24 @@ def _weight_offset(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor | None
         return 0.0
     rest = y - z * weight - (0 if bias is None else bias)
     return round(float((rest * z).sum() / (z * z).sum()), 6)
+
+
+def fusable_head(model: nn.Module) -> nn.Module:
+    """The head of the causal LM ``model`` whose loss the fused linear + cross-entropy can compute, or
+    :class:`NotConvertible`: transformers' standard loss, and a head that is a plain linear layer (a floating 2-d
+    weight of its own or tied to the embedding, an optional bias)."""
+    if not heads.standard_loss(model):
+        raise NotConvertible(f"its loss is not transformers' {heads.STANDARD_LOSS}")
+    head = model.get_output_embeddings()
+    if head is None:
+        raise NotConvertible("it has no output embeddings (head)")
+    params = dict(head.named_parameters())
+    weight = params.get("weight")
+    if set(params) - {"weight", "bias"} or weight is None or weight.dim() != 2 or not weight.is_floating_point():
+        kind = "a LoRA-adapted head" if "base_layer.weight" in params else f"a {type(head).__name__}"
+        raise NotConvertible(f"its head is {kind}, not a plain linear layer (kept stock, with its logits)")
+    if isinstance(weight, DTensor):
+        raise NotConvertible("its head's weight is sharded (FSDP2): kept stock")
+    if not is_plain(head) and fused_loss_of(model) is None:
+        raise NotConvertible("its head has hooks or a patched forward")
+    return head

@@ -18,14 +18,17 @@ from lightning_lowmem.nn import (
     MemorySharingNorm,
     SeededDropout,
 )
+from lightning_lowmem.nn.causal_lm import fused_loss_of
 from lightning_lowmem.nn.peft import lora_dropouts, uses_dora
 from lightning_lowmem.registry.dropouts import is_elementwise_dropout
+from lightning_lowmem.registry.heads import names_causal_lm
 from lightning_lowmem.surgery.identify import (
     LinearKind,
     LinearLayers,
     NormSpec,
     NotConvertible,
     activation_of,
+    fusable_head,
     fused_gated_mlp,
     gated_layout,
     is_plain,
@@ -59,6 +62,7 @@ class Candidates:
     gated: dict[str, GatedMLPBase] = field(default_factory=dict)  # -> its verified fused replacement
     linears: dict[str, LinearKind] = field(default_factory=dict)  # every linear layer not yet sharing a norm
     dropouts: dict[str, float] = field(default_factory=dict)  # model dropouts -> p
+    heads: list[str] = field(default_factory=list)  # causal LMs whose loss the fused head computes
     folded: dict[str, tuple[str, float]] = field(default_factory=dict)  # dropouts -> (the linear taking them in, p)
     entries: dict[str, Entry] = field(default_factory=dict)
 
@@ -78,6 +82,19 @@ def _already_converted(name: str, module: nn.Module) -> Entry | None:
     return None
 
 
+def _nominate_head(found: Candidates, name: str, model: nn.Module) -> None:
+    """A causal LM whose loss the fused head can compute, or the reason it keeps its stock head. (Its entry is
+    the model's own: the model is not replaced, its forward gains the fused loss.)"""
+    if fused_loss_of(model) is not None:
+        found.entries[f"{name}:head"] = Entry(name, "head", type(model).__name__, "already converted", "")
+        return
+    try:
+        fusable_head(model)
+        found.heads.append(name)
+    except NotConvertible as err:
+        found.entries[f"{name}:head"] = Entry(name, "head", type(model).__name__, "left alone", str(err))
+
+
 def nominate(model: nn.Module, options: Options) -> Candidates:
     """Find and verify every candidate module; left-alone ones get their reason."""
     found = Candidates()
@@ -92,6 +109,8 @@ def nominate(model: nn.Module, options: Options) -> Candidates:
             kind = linear_layers.kind(module)
         if kind is not None:
             found.linears[name] = kind
+        if options.head and names_causal_lm(module) and options.selected(name):
+            _nominate_head(found, name, module)
         done = _already_converted(name, module)
         if done is not None:
             found.entries[name] = done

@@ -61,6 +61,13 @@ class Options:
         each LoRA adapter's dropout into its ``lora_A``, which then saves what it saves without dropout (its
         input, or a memory-sharing norm's ``z``) and a seed; ``False`` leaves the dropouts."""),
     ] = "auto"
+    head: Annotated[
+        Switch,
+        Doc("""
+        ``"auto"`` makes every Hugging Face causal LM compute its training loss (with ``labels``) through the
+        fused linear + cross-entropy, which never holds the logits (the output's ``logits`` are then ``None`` in
+        training; evaluation and generation are unchanged); ``False`` keeps the stock head and its logits."""),
+    ] = "auto"
     include: Annotated[
         Patterns,
         Doc("""
@@ -103,7 +110,7 @@ class Options:
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)
-        for name in ("activation", "norm", "linear", "gated", "dropout"):
+        for name in ("activation", "norm", "linear", "gated", "dropout", "head"):
             set_(name, _switch(getattr(self, name), name))
         for name in ("include", "exclude", "checkpoint"):
             set_(name, _patterns(getattr(self, name), name))

@@ -19,6 +19,7 @@ from lightning_lowmem.nn import (
     MemorySharingNorm,
     SeededDropout,
 )
+from lightning_lowmem.nn.causal_lm import FusedLossForward
 from lightning_lowmem.registry.activations import ACTIVATIONS
 from lightning_lowmem.registry.norms import NORMS
 from lightning_lowmem.surgery.bitsandbytes import is_frozen_4bit_linear
@@ -79,6 +80,7 @@ class Plan:
 
     replacements: dict[nn.Module, nn.Module] = field(default_factory=dict)
     functional_callers: list[nn.Module] = field(default_factory=list)
+    forwards: dict[nn.Module, object] = field(default_factory=dict)  # module -> the forward installed on it
     entries: list[Entry] = field(default_factory=list)
     linears: int = 0
 
@@ -91,6 +93,9 @@ def _norm_detail(name: str, spec: NormSpec, consumers: list[str], callers: list[
     if callers:
         detail += f" (its weight in F.linear in {', '.join(c.removeprefix(parent) for c in callers)})"
     return detail
+
+
+_HEAD_DETAIL = "training loss through the fused linear + cross-entropy (no logits; logits None with labels)"
 
 
 def _relative(name: str, to: str) -> str:
@@ -152,6 +157,9 @@ def make_plan(model: nn.Module, found: Candidates, flow: Flow, options: Options)
     for name, (layer, p) in found.folded.items():
         detail = f"folded into {_relative(layer, name)} (p={p:g}): it saves its input and a seed, not a dropped copy"
         replace(name, "dropout", nn.Identity(), detail)
+    for name in found.heads:
+        plan.forwards[named[name]] = FusedLossForward(named[name])
+        plan.entries.append(Entry(name, "head", type(named[name]).__name__, "converted", _HEAD_DETAIL))
     for where, ops in flow.functional.items():
         was = "F." + "/F.".join(sorted(ops))
         plan.entries.append(Entry(where, "functional", was, "left alone", "called as a function, not a module"))

@@ -8,7 +8,7 @@ from typing import Literal, get_args
 from lightning_lowmem.memory import MIB, SavedTensorMeter
 from lightning_lowmem.surgery.budget import BudgetPlan
 
-EntryKind = Literal["activation", "gated MLP", "norm", "dropout", "functional"]
+EntryKind = Literal["activation", "gated MLP", "norm", "dropout", "head", "functional"]
 EntryStatus = Literal["converted", "already converted", "left alone"]
 
 
@@ -99,7 +99,7 @@ class LowMemReport:
             return "pending: converts at the model's first training forward, on that forward's input"
         counts = ", ".join(
             f"{len(self._with(status, kind))} {kind}s {status}"
-            for kind in ("activation", "gated MLP", "norm", "dropout")
+            for kind in ("activation", "gated MLP", "norm", "dropout", "head")
             for status in get_args(EntryStatus)
             if self._with(status, kind)
         )

@@ -1,0 +1,166 @@
+"""Hugging Face causal LMs compute their training loss through the fused head: no logits, stock's loss."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from benchmarks import zoo
+from lightning_lowmem import LowMemBP, apply_lowmem, plan
+from lightning_lowmem.memory import SavedTensorMeter
+from lightning_lowmem.nn.causal_lm import fused_loss_of
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+QWEN2_VOCAB = 151_936
+
+
+def qwen2_lora() -> torch.nn.Module:
+    """Qwen2's vocabulary on a tiny body (hidden 64, 2 layers), peft LoRA on every linear of the body."""
+    config = transformers.Qwen2Config(
+        vocab_size=QWEN2_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
+    )  # fmt: skip
+    return zoo.lora(transformers.Qwen2ForCausalLM(config), zoo.LLAMA_LINEARS, random_b=True)
+
+
+def batch(vocab: int, rows: int = 2, tokens: int = 16) -> dict[str, torch.Tensor]:
+    ids = torch.randint(0, vocab, (rows, tokens))
+    labels = ids.clone()
+    labels[0, :3] = -100  # a prompt that is not trained on
+    return {"input_ids": ids, "labels": labels}
+
+
+def step(model: torch.nn.Module, inputs: dict) -> tuple[torch.Tensor, int, dict[str, torch.Tensor], object]:
+    """One training step: the loss, the bytes saved for backward, the gradients, the output."""
+    model.train()
+    model.zero_grad(set_to_none=True)
+    with SavedTensorMeter(model) as meter:
+        output = model(**inputs)
+    output.loss.backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    return output.loss.detach(), meter.total_bytes, grads, output
+
+
+def assert_same_step(stock_step, fused_step, rtol: float = 1e-5) -> None:
+    torch.testing.assert_close(fused_step[0], stock_step[0], rtol=rtol, atol=0)
+    assert fused_step[2].keys() == stock_step[2].keys()
+    for name, grad in stock_step[2].items():
+        torch.testing.assert_close(fused_step[2][name], grad, rtol=1e-4, atol=1e-5 * grad.abs().max().item())
+
+
+def test_a_qwen2_vocabulary_lora_step_saves_the_logits_with_the_same_loss_and_gradients():
+    stock = qwen2_lora()
+    model = copy.deepcopy(stock)
+    inputs = batch(QWEN2_VOCAB)
+    report = apply_lowmem(model, example_input=inputs)
+    head = [e for e in report.entries if e.kind == "head"]
+    assert [(e.name, e.status) for e in head] == [("base_model.model", "converted")]
+    stock_step, fused_step = step(stock, inputs), step(model, inputs)
+    assert_same_step(stock_step, fused_step)
+    tokens = inputs["input_ids"].numel()
+    assert stock_step[1] - fused_step[1] >= tokens * QWEN2_VOCAB * 4
+    assert fused_step[3].logits is None and stock_step[3].logits is not None
+
+
+@pytest.mark.parametrize(
+    "family",
+    ["LlamaForCausalLM", "Gemma2ForCausalLM", "GPT2LMHeadModel", "Phi3ForCausalLM", "FalconForCausalLM"],
+)
+def test_every_family_keeps_its_own_loss(family):
+    """Softcapping (Gemma 2's final_logit_softcapping), tied embeddings (GPT-2, Gemma), biases and shapes."""
+    stock = zoo.FAMILIES[family].build()
+    if family == "Gemma2ForCausalLM":
+        assert stock.config.final_logit_softcapping
+    model = copy.deepcopy(stock)
+    inputs = batch(zoo.VOCAB)
+    report = apply_lowmem(model, example_input=inputs, activation=False, norm=False, gated=False)
+    assert [e.status for e in report.entries if e.kind == "head"] == ["converted"] and fused_loss_of(model)
+    assert_same_step(step(stock, inputs), step(model, inputs))
+
+
+def test_num_items_in_batch_and_shift_labels_are_the_stock_losss():
+    stock = zoo.llama()
+    model = copy.deepcopy(stock)
+    inputs = batch(zoo.VOCAB)
+    apply_lowmem(model, example_input=inputs)
+    for extra in ({"num_items_in_batch": torch.tensor(17)}, {"shift_labels": inputs["labels"].roll(1, -1)}):
+        assert_same_step(step(stock, inputs | extra), step(model, inputs | extra))
+
+
+def test_evaluation_generation_and_calls_without_labels_are_stock():
+    stock = zoo.llama()
+    model = copy.deepcopy(stock)
+    inputs = batch(zoo.VOCAB)
+    apply_lowmem(model, example_input=inputs)
+    model.train()
+    no_labels = model(input_ids=inputs["input_ids"]).logits
+    torch.testing.assert_close(no_labels, stock.train()(input_ids=inputs["input_ids"]).logits, rtol=1e-4, atol=1e-5)
+    as_tuple = model(**inputs, return_dict=False)
+    assert as_tuple[1].shape[-1] == zoo.VOCAB  # the stock forward, logits and all
+    model.eval()
+    with torch.no_grad():
+        evaluated = model(**inputs)
+        assert evaluated.logits is not None and torch.isfinite(evaluated.loss)
+        generated = model.generate(inputs["input_ids"][:1, :4], max_new_tokens=3, do_sample=False)
+    assert generated.shape == (1, 7)
+
+
+def test_head_off_keeps_the_logits_and_a_lora_adapted_head_is_left_alone_with_why():
+    model = zoo.llama()
+    apply_lowmem(model, example_input=batch(zoo.VOCAB), head=False)
+    assert fused_loss_of(model) is None and model.train()(**batch(zoo.VOCAB)).logits is not None
+    adapted = zoo.lora(zoo.llama(), ["q_proj", "lm_head"])
+    report = apply_lowmem(adapted, example_input=batch(zoo.VOCAB))
+    (entry,) = [e for e in report.entries if e.kind == "head"]
+    assert entry.status == "left alone" and "a LoRA-adapted head" in entry.detail
+
+
+def test_a_converted_model_pickles_converts_once_and_rolls_back():
+    model = zoo.llama()
+    inputs = batch(zoo.VOCAB)
+    apply_lowmem(model, example_input=inputs)
+    twin = pickle.loads(pickle.dumps(model))
+    assert fused_loss_of(twin) is not None and fused_loss_of(twin).model is twin
+    assert_same_step(step(model, inputs), step(twin, inputs))
+    again = apply_lowmem(model, example_input=inputs)
+    assert [e.status for e in again.entries if e.kind == "head"] == ["already converted"]
+    planned = zoo.llama()
+    plan(planned, inputs)  # converts, measures, rolls back
+    assert fused_loss_of(planned) is None and "forward" not in planned.__dict__
+
+
+class CausalLM(pl.LightningModule):
+    """As users write it: a peft LLaMA, ``training_step`` returns ``model(**batch).loss``, no example input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = zoo.lora(zoo.llama(), zoo.LLAMA_LINEARS)
+
+    def training_step(self, batch, batch_idx):
+        ids, labels = batch
+        return self.model(input_ids=ids, labels=labels).loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-3)
+
+
+def test_lowmem_bp_fuses_the_loss_of_a_peft_causal_lm_with_no_change(tmp_path):
+    ids = torch.randint(0, zoo.VOCAB, (8, 16))
+    loader = DataLoader(TensorDataset(ids, ids.clone()), batch_size=2)
+    callback = LowMemBP()
+    module = CausalLM()
+    trainer = pl.Trainer(
+        accelerator="cpu", max_steps=2, logger=False, enable_progress_bar=False, enable_model_summary=False,
+        enable_checkpointing=False, callbacks=[callback], default_root_dir=tmp_path,
+    )  # fmt: skip
+    trainer.fit(module, loader)
+    assert trainer.global_step == 2
+    assert [e.status for e in callback.report.entries if e.kind == "head"] == ["converted"]
+    assert fused_loss_of(module.model.base_model.model) is not None
