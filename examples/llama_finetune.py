@@ -17,6 +17,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.utils.data import DataLoader, TensorDataset
 
 LLAMA_LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -104,14 +105,14 @@ class LlamaLoRA(pl.LightningModule):
             model = LlamaForCausalLM(config)
         lora = LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, lora_dropout=0.0, target_modules=LLAMA_LINEARS)
         self.model = get_peft_model(model, lora)
-        self.example_input_array = torch.zeros(2, seq_len, dtype=torch.long)
+        tokens = torch.zeros(2, seq_len, dtype=torch.long)
+        self.example_input_array = {"input_ids": tokens, "labels": tokens}  # a training step's call, loss included
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids=input_ids).logits
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None):
+        return self.model(input_ids=input_ids, labels=labels)
 
     def _loss(self, input_ids: torch.Tensor) -> torch.Tensor:
-        logits = self(input_ids)[:, :-1].float()
-        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), input_ids[:, 1:].reshape(-1))
+        return self(input_ids, labels=input_ids).loss  # the model's own causal LM loss (next-token, shifted)
 
     def training_step(self, batch, batch_idx):
         loss = self._loss(batch[0])
@@ -125,6 +126,23 @@ class LlamaLoRA(pl.LightningModule):
     def configure_optimizers(self):
         trainable = [p for p in self.parameters() if p.requires_grad]
         return torch.optim.AdamW(trainable, lr=self.hparams.lr)
+
+    def on_fit_start(self) -> None:
+        report = next((c.report for c in self.trainer.callbacks if type(c).__name__ == "LowMemBP"), None)
+        if report is not None and report.saved_by_module_before:
+            rank_zero_info(head_share(report))
+
+
+def head_share(report) -> str:
+    """What the language-model head and its loss saved for backward in the probe step, before and after."""
+    heads = {e.name for e in report.entries if e.kind == "head"}
+    owners = lambda name: name in heads or name.endswith("lm_head")
+    shares = []
+    for stage in ("before", "after"):
+        by_module = getattr(report, f"saved_by_module_{stage}")
+        head, total = sum(v for k, v in by_module.items() if owners(k)), sum(by_module.values())
+        shares.append(f"{head / 2**20:.2f} of {total / 2**20:.2f} MiB ({head / max(total, 1):.0%})")
+    return f"language-model head and loss, saved for backward: {shares[0]} -> {shares[1]}"
 
 
 def main() -> None:

@@ -112,14 +112,34 @@ def test_evaluation_generation_and_calls_without_labels_are_stock():
     assert generated.shape == (1, 7)
 
 
-def test_head_off_keeps_the_logits_and_a_lora_adapted_head_is_left_alone_with_why():
+def test_head_off_keeps_the_logits_and_a_dora_adapted_head_is_left_alone_with_why():
     model = zoo.llama()
     apply_lowmem(model, example_input=batch(zoo.VOCAB), head=False)
     assert fused_loss_of(model) is None and model.train()(**batch(zoo.VOCAB)).logits is not None
-    adapted = zoo.lora(zoo.llama(), ["q_proj", "lm_head"])
+    adapted = zoo.lora(zoo.llama(), ["q_proj", "lm_head"], use_dora=True)
     report = apply_lowmem(adapted, example_input=batch(zoo.VOCAB))
     (entry,) = [e for e in report.entries if e.kind == "head"]
-    assert entry.status == "left alone" and "a LoRA-adapted head" in entry.detail
+    assert entry.status == "left alone" and "DoRA" in entry.detail
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.05])
+def test_a_lora_adapted_head_is_fused_with_peft_semantics(dropout):
+    """LoRA on every linear, the head included: peft's loss and gradients, no logits; disabling the adapters
+    afterwards falls back to the base weight, as peft does."""
+    stock = zoo.lora(zoo.llama(), [*zoo.LLAMA_LINEARS, "lm_head"], random_b=True, lora_dropout=dropout)
+    model = copy.deepcopy(stock)
+    inputs = batch(zoo.VOCAB)
+    report = apply_lowmem(model, example_input=inputs, dropout=False)
+    assert [e.status for e in report.entries if e.kind == "head"] == ["converted"]
+    torch.manual_seed(1)
+    stock_step = step(stock, inputs)
+    torch.manual_seed(1)
+    fused_step = step(model, inputs)
+    assert any("lm_head.lora_B" in name for name in fused_step[2])
+    assert_same_step(stock_step, fused_step)  # with dropout: peft's, drawing the same masks in the same order
+    assert fused_step[3].logits is None
+    with model.disable_adapter(), stock.disable_adapter():
+        torch.testing.assert_close(model(**inputs).loss, stock(**inputs).loss, rtol=1e-5, atol=0)
 
 
 def test_a_converted_model_pickles_converts_once_and_rolls_back():

@@ -103,6 +103,33 @@ def test_reduction_none_is_right_for_any_upstream_gradient_with_and_without_a_tr
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("base", ["frozen", "trained"])
+def test_a_lora_term_gets_stocks_loss_and_gradients(reduction, base, monkeypatch):
+    """``lora=(a, b)``: the logits of a LoRA-adapted head, ``hidden @ weight.T + a @ b.T``, with ``a``, ``b`` and
+    ``hidden`` trained; over several chunks, for any upstream gradient."""
+    monkeypatch.setattr(cross_entropy, "CHUNK_BYTES", 4 * 61 * 7)
+    hidden, weight, target, bias = inputs(30, 16, 61, torch.float32, bias=True)
+    weight.requires_grad_(base == "trained")
+    a, b = torch.randn(30, 4, requires_grad=True), torch.randn(61, 4, requires_grad=True)
+    tensors = [t for t in (hidden, weight, bias, a, b) if t.requires_grad]
+    upstream = torch.randn(30) if reduction == "none" else None
+
+    def stock():
+        logits = (F.linear(hidden, weight, bias) + F.linear(a, b)).float()
+        return F.cross_entropy(logits, target, reduction=reduction)
+
+    def ours():
+        return linear_cross_entropy(hidden, weight, target, bias, reduction=reduction, lora=(a, b))
+
+    got, want = grads(ours, tensors, upstream), grads(stock, tensors, upstream)
+    torch.testing.assert_close(got[0], want[0])
+    for g, w in zip(got[1], want[1]):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="lora .* does not match"):
+        linear_cross_entropy(hidden, weight, target, lora=(a, b.t()))
+
+
 def test_every_kernel_computes_the_reference_step(kernel_backend):
     logits = torch.randn(13, 301, device=kernel_backend.device) * 4
     target = torch.randint(0, 301, (13,), device=kernel_backend.device)

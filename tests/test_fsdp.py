@@ -10,6 +10,7 @@ nothing else changes. One script runs the stock and the low-memory fit (and one 
 
 from __future__ import annotations
 
+import copy
 import math
 import re
 from types import SimpleNamespace
@@ -416,3 +417,34 @@ class FSDPViT(pl.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("head", ["frozen, in the root's group", "trained, sharded on its own"])
+def test_fsdp2_fuses_the_loss_of_a_causal_lm_whose_head_it_shards(one_process_group, head):
+    """The fused loss runs inside the head's own call, where FSDP2 has gathered its weight: the same loss and
+    gradients as the unsharded stock model, and no logits."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    stock = zoo.llama()
+    stock.lm_head.weight.requires_grad_(head.startswith("trained"))
+    model, mesh = copy.deepcopy(stock), init_device_mesh("cpu", (1,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    if head.startswith("trained"):
+        fully_shard(model.lm_head, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    ids = torch.randint(0, stock.config.vocab_size, (2, 16))
+    report = apply_lowmem(model, example_input={"input_ids": ids, "labels": ids}, activation=False)
+    assert [e.status for e in report.entries if e.kind == "head"] == ["converted"]
+    model.zero_grad(set_to_none=True)
+    output, want = model(input_ids=ids, labels=ids), stock(input_ids=ids, labels=ids)
+    output.loss.backward()
+    want.loss.backward()
+    assert output.logits is None
+    torch.testing.assert_close(output.loss, want.loss)
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert grads.keys() == {n for n, p in stock.named_parameters() if p.grad is not None}
+    for name, grad in grads.items():
+        full = grad.full_tensor() if isinstance(grad, DTensor) else grad
+        torch.testing.assert_close(full, stock.get_parameter(name).grad, msg=name)

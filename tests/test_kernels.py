@@ -173,7 +173,9 @@ def test_norm_output_ops_match_reference(kernel_backend, center, dtype, out_dtyp
             from_z, _ = torch_ops.norm_backward(g, z, z_rstd, affine[0], dim, center, dtype, False)
             assert grad_input.dtype == dtype and grad_input.isfinite().all()
             torch.testing.assert_close(grad_input, ref_input, **half_tolerance(out_dtype))
-            torch.testing.assert_close(grad_input, from_z, **(half_tolerance(out_dtype) or {"rtol": 1e-4, "atol": 1e-5}))
+            torch.testing.assert_close(
+                grad_input, from_z, **(half_tolerance(out_dtype) or {"rtol": 1e-4, "atol": 1e-5})
+            )
 
 
 def test_norm_non_contiguous_inputs(kernel_backend):
@@ -262,7 +264,9 @@ def test_bad_arguments_raise_naming_the_op(kernel_backend):
     if kernel_backend.name == "cpp":  # indices into the rows: checked (the reference would index anyway)
         scale = torch.tensor([0.0, 1, 0, 1])
         columns = ext.norm_exact_columns(scale, None)
-        y, rstd, exact = ext.norm_output_forward(ints.float().view(2, 4), 4, 1e-5, True, torch.float32, scale, None, columns)
+        y, rstd, exact = ext.norm_output_forward(
+            ints.float().view(2, 4), 4, 1e-5, True, torch.float32, scale, None, columns
+        )
         assert columns.tolist() == [0, 2] and exact.shape == (2, 2)
         for bad in ([2, 0], [0, 0], [0, 4], [-1, 0]):
             with pytest.raises(ValueError, match="norm_output_backward: columns must be ascending indices in"):

@@ -38,6 +38,11 @@ def test_baseline_shows_the_method_and_the_plugin_at_work():
             assert figures[f"{model}/lowmem/{precision}"] < 0.75 * figures[f"{model}/stock/{precision}"]
     # one cast output shared by q, k, v, gate and up instead of a copy each
     assert figures["llama/lowmem-precision/bf16-mixed"] < figures["llama/stock/bf16-mixed"]
+    # labels: stock adds its fp32 logits (4 x 128 tokens x 512 classes); the fused head adds one bf16 gradient of
+    # its input (4 x 128 x 128), no logits
+    added = {m: figures[f"llama_lora_labels/{m}/bf16-mixed"] - figures[f"llama_lora_dropout/{m}/bf16-mixed"]
+             for m in ("stock", "lowmem")}  # fmt: skip
+    assert added["stock"] >= 4 * 128 * 512 * 4 and added["lowmem"] == 4 * 128 * 128 * 2
 
 
 def test_injected_regression_fails_with_a_readable_diff():

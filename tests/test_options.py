@@ -47,4 +47,6 @@ def test_lightning_cli_reads_the_options_with_their_types_and_docs():
         config.callback.bits == 4 and config.callback.gated is False and config.callback.exclude == ["head", "blocks.0"]
     )
     assert LowMemBP(**vars(config.callback)).options.exclude == ("head", "blocks.0")
-    assert " ".join(parser.format_help().split()).count("bits per element of the activations' approximate backward") == 1
+    assert (
+        " ".join(parser.format_help().split()).count("bits per element of the activations' approximate backward") == 1
+    )

@@ -72,6 +72,8 @@ def launches() -> list[tuple[triton.runtime.JITFunction, tuple, dict]]:
                 triton_ops.gated_backward(x, x, x, kind, act)
         for p in (0.1, 0.5) if variants else (0.1,):  # the threshold an int32, then an int64
             triton_ops.dropout(x, p, torch.tensor([1]))
+    for cap in (0.0, 30.0):  # the head's step: fp32 logits only
+        triton_ops.cross_entropy_grad_(torch.randn(4, 64), torch.tensor([1, 2, -100, 3]), -100, 0.1, cap)
     return [(r.kernel, args, kwargs) for r in recorders.values() for args, kwargs in r.launches]
 
 

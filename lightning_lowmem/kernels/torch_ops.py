@@ -319,7 +319,9 @@ def dropout(x: torch.Tensor, p: float, seed: torch.Tensor) -> torch.Tensor:
     return torch.where(keep, kept, torch.zeros((), dtype=acc, device=x.device)).to(x.dtype)
 
 
-def check_cross_entropy(logits: torch.Tensor, target: torch.Tensor, label_smoothing: float, softcap: float) -> None:
+def check_cross_entropy(
+    logits: torch.Tensor, target: torch.Tensor, ignore_index: int, label_smoothing: float, softcap: float
+) -> None:
     if logits.dim() != 2 or logits.dtype != torch.float32 or not logits.is_contiguous():
         raise ValueError(
             f"cross_entropy_grad_: logits must be contiguous float32 rows, got {tuple(logits.shape)} {logits.dtype}"
@@ -330,12 +332,17 @@ def check_cross_entropy(logits: torch.Tensor, target: torch.Tensor, label_smooth
         raise ValueError(
             f"cross_entropy_grad_: label_smoothing must be in [0, 1] and softcap >= 0, got {label_smoothing}, {softcap}"
         )
+    outside = (target != ignore_index) & ((target < 0) | (target >= logits.shape[1]))
+    if logits.shape[1] and outside.any():  # one device sync, as stock's cross_entropy has on a GPU
+        raise IndexError(
+            f"cross_entropy_grad_: target {target[outside][0].item()} is out of bounds for {logits.shape[1]} classes"
+        )
 
 
 def cross_entropy_grad_(
     logits: torch.Tensor, target: torch.Tensor, ignore_index: int, label_smoothing: float, softcap: float
 ) -> torch.Tensor:
-    check_cross_entropy(logits, target, label_smoothing, softcap)
+    check_cross_entropy(logits, target, ignore_index, label_smoothing, softcap)
     capped = softcap * torch.tanh(logits / softcap) if softcap else logits
     log_probs = torch.log_softmax(capped, dim=-1)
     ignored = target == ignore_index

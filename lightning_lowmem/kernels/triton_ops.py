@@ -200,6 +200,62 @@ def _dropout_kernel(x_ptr, seed_ptr, out_ptr, numel, threshold, scale, BLOCK: tl
     _keep_scaled(x_ptr, out_ptr, 4 * counter + 3, numel, w3, threshold, scale)
 
 
+@triton.jit
+def _capped(row_ptr, cols, vocab, softcap, SOFTCAP: tl.constexpr):
+    """A block of a row's logits, fp32, capped as Gemma 2 caps them (``softcap * tanh(x / softcap)``; -inf past
+    the row's end), and the cap's derivative ``1 - tanh^2`` (1 without a cap), both from ``exp(-2|x| / softcap)``:
+    no cancellation in the derivative where the cap saturates."""
+    x = tl.load(row_ptr + cols, mask=cols < vocab, other=0.0).to(tl.float32)
+    slope = tl.full(x.shape, 1.0, tl.float32)
+    if SOFTCAP:
+        e = tl.exp(-2.0 * tl.abs(x) / softcap)
+        x = tl.where(x < 0, -softcap, softcap) * (1.0 - e) / (1.0 + e)
+        slope = 4.0 * e / ((1.0 + e) * (1.0 + e))
+    return tl.where(cols < vocab, x, float("-inf")), slope
+
+
+@triton.jit
+def _cross_entropy_grad_kernel(
+    logits_ptr,
+    target_ptr,
+    loss_ptr,
+    vocab,
+    ignore_index,
+    smoothing,
+    softcap,
+    SOFTCAP: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    # One row per program, two passes: the online max and sum of exponentials (and the sum for label smoothing),
+    # then the gradient written over the logits, as csrc's cross_entropy_row does.
+    row_ptr = logits_ptr + tl.program_id(0).to(tl.int64) * vocab
+    target = tl.load(target_ptr + tl.program_id(0))
+    cols = tl.arange(0, BLOCK)
+    if target == ignore_index:
+        for start in range(0, vocab, BLOCK):
+            tl.store(row_ptr + start + cols, tl.zeros((BLOCK,), dtype=tl.float32), mask=start + cols < vocab)
+        tl.store(loss_ptr + tl.program_id(0), 0.0)
+    else:
+        peak = float("-inf")
+        sum_exp = 0.0
+        total = 0.0
+        for start in range(0, vocab, BLOCK):
+            x, _ = _capped(row_ptr, start + cols, vocab, softcap, SOFTCAP)
+            new_peak = tl.maximum(peak, tl.max(x, 0))
+            sum_exp = sum_exp * tl.exp(peak - new_peak) + tl.sum(tl.exp(x - new_peak), 0)
+            peak = new_peak
+            total += tl.sum(tl.where(start + cols < vocab, x, 0.0), 0)
+        picked, _ = _capped(row_ptr + target, cols, 1, softcap, SOFTCAP)
+        picked = tl.sum(tl.where(cols == 0, picked, 0.0), 0)
+        loss = peak + tl.log(sum_exp) - (1.0 - smoothing) * picked - smoothing * total / vocab
+        for start in range(0, vocab, BLOCK):
+            x, slope = _capped(row_ptr, start + cols, vocab, softcap, SOFTCAP)
+            g = tl.exp(x - peak) / sum_exp - smoothing / vocab
+            g = tl.where(start + cols == target, g - (1.0 - smoothing), g) * slope
+            tl.store(row_ptr + start + cols, g, mask=start + cols < vocab)
+        tl.store(loss_ptr + tl.program_id(0), loss)
+
+
 # Decided when the kernels above were defined: True when they run in Triton's interpreter.
 INTERPRETED = not isinstance(_act_codes_kernel, triton.runtime.JITFunction)
 
@@ -311,7 +367,6 @@ norm_affine_forward = torch_ops.with_affine(norm_forward)  # the affine not fuse
 # the ops layer saves a frozen norm's output only on CPU (ops.norm): there Triton runs only interpreted, in tests
 norm_exact_columns, norm_output_forward = torch_ops.norm_exact_columns, torch_ops.norm_output_forward
 norm_output_backward = torch_ops.norm_output_backward
-cross_entropy_grad_ = torch_ops.cross_entropy_grad_  # a Triton kernel for the head's step: not yet
 
 
 def norm_backward(
@@ -390,3 +445,18 @@ def dropout(x: torch.Tensor, p: float, seed: torch.Tensor) -> torch.Tensor:
             x, seed, out, x.numel(), torch_ops.dropout_threshold(p), 1.0 / (1.0 - p), BLOCK=ELEMENTS_PER_PROGRAM // 4
         )
     return out
+
+
+def cross_entropy_grad_(
+    logits: torch.Tensor, target: torch.Tensor, ignore_index: int, label_smoothing: float, softcap: float
+) -> torch.Tensor:
+    torch_ops.check_cross_entropy(logits, target, ignore_index, label_smoothing, softcap)
+    loss = torch.empty(len(target), dtype=torch.float32, device=logits.device)
+    if logits.numel() == 0:
+        return loss.zero_()
+    with _launching_on("cross_entropy_grad_", logits):
+        _cross_entropy_grad_kernel[(len(target),)](
+            logits, target.contiguous(), loss, logits.shape[1], ignore_index, label_smoothing, softcap,
+            SOFTCAP=softcap > 0, BLOCK=min(triton.next_power_of_2(logits.shape[1]), 4096),
+        )  # fmt: skip
+    return loss

@@ -2,7 +2,8 @@
 
 Every model is built with and without LowMemBP (``apply_lowmem``), under fp32 and bf16, with
 Lightning's own precision plugin (``stock``) and with ``LowMemPrecision``, so the gate guards
-each part's contribution; the LLaMA also with the common LoRA recipe (``lora_dropout=0.05``).
+each part's contribution; the LLaMA also with the common LoRA recipe (``lora_dropout=0.05``), with and without
+``labels`` (the model's own loss: the fused head).
 """
 
 from __future__ import annotations
@@ -43,6 +44,12 @@ def llama_lora_dropout() -> tuple[nn.Module, Any]:
     return get_peft_model(model, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.05, target_modules=targets)), batch
 
 
+def llama_lora_labels() -> tuple[nn.Module, Any]:
+    """The LoRA LLaMA above called as a causal LM is trained: with ``labels``, the model computing its loss."""
+    model, batch = llama_lora_dropout()
+    return model, {**batch, "labels": batch["input_ids"]}
+
+
 # (name, lowmem, plugin, precisions)
 _METHODS = (
     ("stock", False, "stock", ("32-true", "bf16-mixed", "bf16-true")),
@@ -56,6 +63,7 @@ CASES = [
     for method, lowmem, plugin, precisions in _METHODS
     for precision in precisions
 ] + [
-    Case(f"llama_lora_dropout/{method}/bf16-mixed", llama_lora_dropout, "bf16-mixed", lowmem, plugin)
+    Case(f"{build.__name__}/{method}/bf16-mixed", build, "bf16-mixed", lowmem, plugin)
+    for build in (llama_lora_dropout, llama_lora_labels)
     for method, lowmem, plugin, _ in _METHODS
 ]

@@ -1,8 +1,8 @@
 """A Hugging Face causal LM whose training loss never materialises the logits.
 
 :class:`FusedLossForward` is installed as the model's ``forward`` by the surgery. In training, with ``labels``,
-it runs the model's own forward without them while the head returns nothing but keeps its input, then computes
-the loss from those hidden states with :func:`~lightning_lowmem.ops.linear_cross_entropy` and transformers'
+it runs the model's own forward without them while the head, called as usual, returns nothing but computes the
+loss from its input with :func:`~lightning_lowmem.ops.linear_cross_entropy` and transformers'
 causal LM semantics (:func:`causal_lm_loss`; Gemma 2's ``final_logit_softcapping`` included). The output's
 ``logits`` are then ``None``: no ``tokens x vocabulary`` tensor exists. Evaluation, generation, calls without
 labels and ``return_dict=False`` run the stock forward unchanged.
@@ -36,20 +36,60 @@ def causal_lm_loss(
     if shift_labels is None:
         shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     reduction = "sum" if num_items_in_batch is not None else "mean"
+    weight, bias, lora = head_operands(head, hidden)
     loss = linear_cross_entropy(
-        hidden, head.weight, shift_labels.to(hidden.device), getattr(head, "bias", None),
-        ignore_index=ignore_index, reduction=reduction, softcap=softcap,
+        hidden, weight, shift_labels.to(hidden.device), bias,
+        ignore_index=ignore_index, reduction=reduction, softcap=softcap, lora=lora,
     )  # fmt: skip
     if num_items_in_batch is None:
         return loss
     return loss / (num_items_in_batch.to(loss.device) if torch.is_tensor(num_items_in_batch) else num_items_in_batch)
 
 
-class FusedLossForward:
-    """The causal LM ``model``'s forward with its training loss fused (see the module docstring)."""
+def is_lora_layer(module: nn.Module) -> bool:
+    """A peft LoRA layer (``base_layer`` and per-adapter ``lora_A`` / ``lora_B`` / ``lora_dropout`` / ``scaling``)."""
+    return all(hasattr(module, name) for name in ("base_layer", "lora_A", "lora_B", "lora_dropout", "scaling"))
 
-    def __init__(self, model: nn.Module) -> None:
-        self.model = model
+
+def active_lora_adapters(head: nn.Module) -> list[str]:
+    """The adapters a peft LoRA layer adds now (none when disabled or merged into the base weight)."""
+    if head.disable_adapters or head.merged:
+        return []
+    return [name for name in head.active_adapters if name in head.lora_A]
+
+
+def head_operands(head: nn.Module, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, Any]:
+    """The ``head``'s weight and bias as :func:`linear_cross_entropy` takes them and, for a peft LoRA-adapted
+    head, its adapter's term ``(scaling * lora_A(dropout(hidden)), lora_B.weight)``, computed as peft computes it."""
+    if not is_lora_layer(head):
+        return head.weight, getattr(head, "bias", None), None
+    base, active = head.base_layer, active_lora_adapters(head)
+    if len(active) > 1:
+        raise RuntimeError(f"the fused loss takes one LoRA adapter on the head; {active} are active")
+    if not active:
+        return base.weight, base.bias, None
+    lora_a = head.lora_A[active[0]]
+    inputs = head.lora_dropout[active[0]](head._cast_input_dtype(hidden, lora_a.weight.dtype))
+    return base.weight, base.bias, (lora_a(inputs) * head.scaling[active[0]], head.lora_B[active[0]].weight)
+
+
+class FusedLossForward:
+    """The causal LM ``model``'s forward with its training loss fused (see the module docstring).
+
+    :meth:`head_forward` is installed as the ``head``'s forward too: during a fused call it computes the loss from
+    its input instead of the logits, inside the head's own call, so that a head FSDP2 shards on its own is
+    gathered then. Both stay installed (no patching per call): ``torch.compile`` traces a training step whole."""
+
+    def __init__(self, model: nn.Module, head: nn.Module) -> None:
+        self.model, self.head = model, head
+        self.loss_args: dict[str, Any] | None = None  # set during a fused call
+        self.losses: list[torch.Tensor] = []
+
+    def head_forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self.loss_args is None:
+            return type(self.head).forward(self.head, x, *args, **kwargs)
+        self.losses.append(causal_lm_loss(x, self.head, **self.loss_args))
+        return x.new_empty(0)  # what the model does with the logits (softcapping) costs nothing
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         model = self.model
@@ -57,26 +97,16 @@ class FusedLossForward:
         labels = kwargs.get("labels")
         if labels is None or kwargs.get("return_dict") is False or not (model.training and torch.is_grad_enabled()):
             return stock(*args, **kwargs)
-        head = model.get_output_embeddings()
-        inputs: list[torch.Tensor] = []
-
-        def keep_input(x: torch.Tensor, *_: Any, **__: Any) -> torch.Tensor:
-            inputs.append(x)
-            return x.new_empty(0)  # what the model does with the logits (softcapping) costs nothing
-
-        head.forward = keep_input
+        softcap = getattr(getattr(model, "config", None), "final_logit_softcapping", None)
+        self.loss_args, self.losses = {**kwargs, "softcap": softcap}, []
         try:
             output = stock(*args, **{**kwargs, "labels": None})
         finally:
-            del head.forward
-        if len(inputs) != 1:
-            raise RuntimeError(f"{type(model).__name__}: its head ran {len(inputs)} times in one forward, not once")
-        softcap = getattr(getattr(model, "config", None), "final_logit_softcapping", None)
-        loss = causal_lm_loss(
-            inputs[0], head, labels, softcap=softcap, **{k: v for k, v in kwargs.items() if k != "labels"}
-        )
+            losses, self.loss_args, self.losses = self.losses, None, []
+        if len(losses) != 1:
+            raise RuntimeError(f"{type(model).__name__}: its head ran {len(losses)} times in one forward, not once")
         fields = {key: value for key, value in output.items() if key not in ("loss", "logits")}
-        return type(output)(loss=loss, **fields)
+        return type(output)(loss=losses[0], **fields)
 
 
 def fused_loss_of(model: nn.Module) -> FusedLossForward | None:

@@ -37,49 +37,59 @@ def chunk_rows(vocab: int) -> int:
 
 
 class _Chunks:
-    """The head's operands in its compute dtype (autocast's, else the promoted one, as ``F.linear`` would run),
-    cast once, and what each chunk of rows needs: its fp32 logits (in one reused buffer), then from their
-    gradient the hidden states' gradient rows and the weight and bias gradients, accumulated in place (the
-    weight's in the compute dtype: no weight-sized temporary per chunk, no fp32 copy of the weight)."""
+    """The head's terms ``(input, weight)`` (the hidden states and the head's weight, then a LoRA adapter's scaled
+    ``lora_A`` output and ``lora_B`` weight) in the compute dtype (autocast's, else the promoted one, as
+    ``F.linear`` would run), cast once, and what each chunk of rows needs: its fp32 logits ``sum(input @ weight.T)
+    + bias`` (in one reused buffer), then from their gradient each input's gradient rows and each weight's and the
+    bias's gradient, accumulated in place (a weight's in the compute dtype: no weight-sized temporary per chunk)."""
 
-    def __init__(self, hidden, weight, bias, needs: tuple[bool, bool, bool]) -> None:
+    def __init__(self, terms: list[tuple[torch.Tensor, torch.Tensor]], bias, needs: tuple[bool, ...]) -> None:
+        hidden, weight = terms[0]
         dtype = autocast_dtype(hidden) or torch.promote_types(hidden.dtype, weight.dtype)
-        self.hidden, self.weight = hidden.to(dtype), weight.to(dtype)
+        self.terms = [(i.to(dtype), w.to(dtype)) for i, w in terms]
         self.bias = None if bias is None else bias.to(dtype)
         self.rows, self.vocab = hidden.shape[0], weight.shape[0]
         self.step = chunk_rows(self.vocab)
         self.buffer = hidden.new_empty((min(self.step, self.rows), self.vocab), dtype=torch.float32)
-        self.needs = needs
-        self.grad_hidden = torch.empty_like(hidden) if needs[0] else None
-        self.grad_weight = self.grad_bias = None
+        self.needs = needs  # per input, weight of each term, then the bias
+        self.sums: list[torch.Tensor | None] = [None] * len(needs)  # the weights' and the bias's gradients
+        self.input_grads = [torch.empty_like(i) if needs[2 * k] else None for k, (i, _) in enumerate(terms)]
 
     def __iter__(self):
         return (slice(start, start + self.step) for start in range(0, self.rows, self.step))
 
     def logits(self, part: slice) -> torch.Tensor:
-        """The fp32 logits of ``hidden[part]``, rounded in the compute dtype first, as stock's ``.float()``."""
-        with torch.autocast(self.hidden.device.type, enabled=False):
-            logits = F.linear(self.hidden[part], self.weight, self.bias)
+        """The fp32 logits of rows ``part``, rounded in the compute dtype first, as stock's ``.float()``."""
+        (hidden, weight), *low_rank = self.terms
+        with torch.autocast(hidden.device.type, enabled=False):
+            logits = F.linear(hidden[part], weight, self.bias)
+            for inputs, low_weight in low_rank:
+                logits = logits + F.linear(inputs[part], low_weight)
         return self.buffer[: logits.shape[0]].copy_(logits)
 
     def add_grads(self, part: slice, grad: torch.Tensor) -> None:
         """The gradients from this chunk's logits' gradient ``grad`` (fp32)."""
-        with torch.autocast(self.hidden.device.type, enabled=False):
-            if self.grad_hidden is not None:
-                rows = torch.mm(grad.to(self.weight.dtype), self.weight)
-                self.grad_hidden[part] = rows
-            if self.needs[1]:
-                grad_t, inputs = grad.t().to(self.hidden.dtype), self.hidden[part]
-                if self.grad_weight is None:
-                    self.grad_weight = torch.mm(grad_t, inputs)
-                else:
-                    self.grad_weight.addmm_(grad_t, inputs)
-            if self.needs[2]:
+        with torch.autocast(grad.device.type, enabled=False):
+            for k, (inputs, weight) in enumerate(self.terms):
+                if self.input_grads[k] is not None:
+                    self.input_grads[k][part] = torch.mm(grad.to(weight.dtype), weight)
+                if self.needs[2 * k + 1]:
+                    self._accumulate(2 * k + 1, grad.t().to(inputs.dtype), inputs[part])
+            if self.needs[-1]:
                 sums = grad.sum(0)
-                self.grad_bias = sums if self.grad_bias is None else self.grad_bias.add_(sums)
+                self.sums[-1] = sums if self.sums[-1] is None else self.sums[-1].add_(sums)
 
-    def grads(self, weight: torch.Tensor) -> tuple:
-        return self.grad_hidden, _to(self.grad_weight, weight.dtype), _to(self.grad_bias, weight.dtype)
+    def _accumulate(self, index: int, grad_t: torch.Tensor, inputs: torch.Tensor) -> None:
+        if self.sums[index] is None:
+            self.sums[index] = torch.mm(grad_t, inputs)
+        else:
+            self.sums[index].addmm_(grad_t, inputs)
+
+    def grads(self, operands: tuple[torch.Tensor, ...], bias: torch.Tensor | None) -> list[torch.Tensor | None]:
+        """The gradient of each operand (inputs and weights, in their dtypes), then the bias's."""
+        found = [self.input_grads[k // 2] if k % 2 == 0 else self.sums[k] for k in range(len(operands))]
+        grads = [None if g is None else g.to(t.dtype) for g, t in zip(found, operands)]
+        return [*grads, None if self.sums[-1] is None else self.sums[-1].to(bias.dtype)]
 
 
 def _scaled(grad: torch.Tensor | None, upstream: torch.Tensor) -> torch.Tensor | None:
@@ -94,22 +104,20 @@ def _scaled(grad: torch.Tensor | None, upstream: torch.Tensor) -> torch.Tensor |
     return (grad * upstream).to(grad.dtype)
 
 
-def _to(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
-    return None if t is None else t.to(dtype)
-
-
 class LinearCrossEntropyFunction(torch.autograd.Function):
-    """The cross-entropy of ``hidden @ weight.T + bias`` (``hidden``: rows x features) by chunks of rows."""
+    """The cross-entropy of ``sum(input @ weight.T) + bias`` over the terms ``operands = (hidden, weight[, lora
+    input, lora weight])`` (inputs: rows x features), by chunks of rows."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, target, ignore_index: int, smoothing: float, softcap: float, reduction: str):
-        needs = tuple(ctx.needs_input_grad[:3])
-        # per-row upstream gradients reach the weight only through each row: then the backward recomputes
-        in_forward = reduction != "none" or not (needs[1] or needs[2])
-        chunks = _Chunks(hidden, weight, bias, needs if in_forward else (False, False, False))
-        impl = kernels.implementation(hidden.device)
+    def forward(ctx, target, ignore_index: int, smoothing: float, softcap: float, reduction: str, bias, *operands):
+        needs = (*ctx.needs_input_grad[6:], ctx.needs_input_grad[5])  # per operand, then the bias
+        terms = list(zip(operands[::2], operands[1::2]))
+        # per-row upstream gradients reach a weight only through each row: then the backward recomputes
+        in_forward = reduction != "none" or not any(needs[1::2])
+        chunks = _Chunks(terms, bias, needs if in_forward else (False,) * len(needs))
+        impl = kernels.implementation(target.device)
         scale = 1.0 / (target != ignore_index).sum() if reduction == "mean" else None
-        losses = hidden.new_empty(chunks.rows, dtype=torch.float32)
+        losses = target.new_empty(chunks.rows, dtype=torch.float32)
         for part in chunks:
             logits = chunks.logits(part)
             losses[part] = impl.cross_entropy_grad_(logits, target[part], ignore_index, smoothing, softcap)
@@ -117,7 +125,8 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                 chunks.add_grads(part, logits if scale is None else logits.mul_(scale))
         ctx.set_materialize_grads(False)
         ctx.args = ignore_index, smoothing, softcap, reduction, in_forward
-        ctx.save_for_backward(*(chunks.grads(weight) if in_forward else (hidden, weight, bias, target)))
+        saved = chunks.grads(operands, bias) if in_forward else (target, bias, *operands)
+        ctx.save_for_backward(*saved)
         if reduction == "none":
             return losses
         total = losses.sum(dtype=torch.float64)  # rows' losses summed in fp64, returned in fp32
@@ -125,23 +134,27 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, upstream: torch.Tensor | None):
-        if upstream is None:
-            return (None,) * 8
-        refuse_double_backward("linear_cross_entropy")
         ignore_index, smoothing, softcap, reduction, in_forward = ctx.args
+        count = len(ctx.needs_input_grad) - 6
+        if upstream is None:
+            return (None,) * (6 + count)
+        refuse_double_backward("linear_cross_entropy")
         upstream = upstream.float()
         if not in_forward:  # reduction "none" with a trainable weight or bias: each chunk again, scaled by row
-            hidden, weight, bias, target = ctx.saved_tensors
-            chunks = _Chunks(hidden, weight, bias, tuple(ctx.needs_input_grad[:3]))
-            impl = kernels.implementation(hidden.device)
+            target, bias, *operands = ctx.saved_tensors
+            needs = (*ctx.needs_input_grad[6:], ctx.needs_input_grad[5])
+            chunks = _Chunks(list(zip(operands[::2], operands[1::2])), bias, needs)
+            impl = kernels.implementation(target.device)
             for part in chunks:
                 logits = chunks.logits(part)
                 impl.cross_entropy_grad_(logits, target[part], ignore_index, smoothing, softcap)
                 chunks.add_grads(part, logits.mul_(upstream[part].unsqueeze(1)))
-            return (*chunks.grads(weight), *(None,) * 5)
-        grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
+            *grads, grad_bias = chunks.grads(operands, bias)
+            return (None,) * 5 + (grad_bias, *grads)
+        *grads, grad_bias = ctx.saved_tensors
         rows = upstream.unsqueeze(1) if reduction == "none" else upstream
-        return _scaled(grad_hidden, rows), _scaled(grad_weight, upstream), _scaled(grad_bias, upstream), *(None,) * 5
+        scaled = [_scaled(g, rows if k % 2 == 0 else upstream) for k, g in enumerate(grads)]
+        return (None,) * 5 + (_scaled(grad_bias, upstream), *scaled)
 
 
 def linear_cross_entropy(
@@ -154,12 +167,15 @@ def linear_cross_entropy(
     reduction: str = "mean",
     label_smoothing: float = 0.0,
     softcap: float | None = None,
+    lora: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``F.cross_entropy(F.linear(hidden, weight, bias).float(), target, ...)`` without the logits: never more than
     one chunk of them exists (see the module docstring). With ``softcap`` the logits are first capped as Gemma 2
     caps them, ``softcap * tanh(logits / softcap)``. ``hidden``: ``(..., features)``; ``target``: ``(...)`` class
     indices (``ignore_index`` for none); ``reduction="none"`` returns the loss per row, in ``target``'s shape.
-    Gradients flow to ``hidden``, ``weight`` and ``bias`` as they require them."""
+    ``lora=(a, b)`` adds a LoRA adapter's term ``a @ b.T`` to the logits (``a``: the scaled ``lora_A`` output,
+    ``(..., rank)``; ``b``: ``lora_B``'s weight, ``vocab x rank``), as peft's adapted head adds it. Gradients flow
+    to every tensor that requires them."""
     check_float_tensor("linear_cross_entropy", hidden)
     check_float_tensor("linear_cross_entropy", weight)
     if reduction not in REDUCTIONS:
@@ -175,8 +191,18 @@ def linear_cross_entropy(
         )
     if softcap is not None and not softcap > 0:
         raise ValueError(f"linear_cross_entropy: softcap must be positive, got {softcap}")
-    rows = hidden.reshape(-1, hidden.shape[-1]).contiguous()
+    operands = [hidden.reshape(-1, hidden.shape[-1]).contiguous(), weight]
+    if lora is not None:
+        a, b = lora
+        check_float_tensor("linear_cross_entropy", a)
+        check_float_tensor("linear_cross_entropy", b)
+        if b.dim() != 2 or a.shape != (*hidden.shape[:-1], b.shape[1]) or b.shape[0] != weight.shape[0]:
+            raise ValueError(
+                f"linear_cross_entropy: lora ({tuple(a.shape)}, {tuple(b.shape)}) does not match hidden "
+                f"{tuple(hidden.shape)} and weight {tuple(weight.shape)}: want ((..., rank), (vocab, rank))"
+            )
+        operands += [a.reshape(-1, a.shape[-1]).contiguous(), b]
     loss = LinearCrossEntropyFunction.apply(
-        rows, weight, bias, target.reshape(-1), ignore_index, float(label_smoothing), float(softcap or 0.0), reduction
+        target.reshape(-1), ignore_index, float(label_smoothing), float(softcap or 0.0), reduction, bias, *operands
     )
     return loss.view(target.shape) if reduction == "none" else loss

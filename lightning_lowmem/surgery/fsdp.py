@@ -66,6 +66,11 @@ def repoint(info, old: nn.Module, new: nn.Module) -> dict[str, object]:
     return changes
 
 
+def owns_hook(hook: object) -> bool:
+    """A module hook FSDP2 registered (its gathering before a forward, its resharding after)."""
+    return type(getattr(hook, "__self__", None)).__module__.startswith("torch.distributed.fsdp")
+
+
 def refresh_state_dict_hooks(group) -> None:
     """Re-register FSDP2's state-dict hooks of ``group`` on the modules its records now name (if it had
     registered them: it does at its lazy init, on the modules of that moment)."""

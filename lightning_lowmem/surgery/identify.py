@@ -17,15 +17,15 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.func import functional_call
 
 from lightning_lowmem.memory.saved_tensors import OBSERVER
-from lightning_lowmem.nn.causal_lm import fused_loss_of
+from lightning_lowmem.nn.causal_lm import active_lora_adapters, fused_loss_of, is_lora_layer
 from lightning_lowmem.nn.gated import GatedLayout, GatedMLPBase, gated_layouts
 from lightning_lowmem.registry import activations, heads, norms
 from lightning_lowmem.registry.activations import ACTIVATIONS, Activation
 from lightning_lowmem.registry.norms import NORMS, STOCK_LAYOUT, NormKindName, NormLayout
+from lightning_lowmem.surgery import fsdp
 from lightning_lowmem.surgery.example import probe_mode
 
 
@@ -48,11 +48,15 @@ class NormSpec:
     bias_name: str | None = "bias"
 
 
-def is_plain(module: nn.Module) -> bool:
-    """No hooks (but observers, such as a running SavedTensorMeter's) and no per-instance ``forward``
-    (e.g. accelerate offloading): safe to replace."""
+def foreign_hooks(module: nn.Module) -> list[object]:
+    """The module's hooks but observers' (such as a running SavedTensorMeter's)."""
     hooks = (*module._forward_hooks.values(), *module._forward_pre_hooks.values(), *module._backward_hooks.values())
-    return not any(not getattr(hook, OBSERVER, False) for hook in hooks) and "forward" not in module.__dict__
+    return [hook for hook in hooks if not getattr(hook, OBSERVER, False)]
+
+
+def is_plain(module: nn.Module) -> bool:
+    """No hooks (but observers) and no per-instance ``forward`` (e.g. accelerate offloading): safe to replace."""
+    return not foreign_hooks(module) and "forward" not in module.__dict__
 
 
 def _is_leaf(module: nn.Module) -> bool:
@@ -309,13 +313,19 @@ def fusable_head(model: nn.Module) -> nn.Module:
     head = model.get_output_embeddings()
     if head is None:
         raise NotConvertible("it has no output embeddings (head)")
-    params = dict(head.named_parameters())
+    layer = head
+    if is_lora_layer(head):
+        if len(active_lora_adapters(head)) > 1 or any(getattr(head, "use_dora", {}).values()):
+            raise NotConvertible("its head has several active LoRA adapters or DoRA (kept stock, with its logits)")
+        if any(b.bias is not None for b in head.lora_B.values()):
+            raise NotConvertible("its head's LoRA adapter has a bias (kept stock, with its logits)")
+        layer = head.base_layer
+    params = dict(layer.named_parameters())
     weight = params.get("weight")
     if set(params) - {"weight", "bias"} or weight is None or weight.dim() != 2 or not weight.is_floating_point():
-        kind = "a LoRA-adapted head" if "base_layer.weight" in params else f"a {type(head).__name__}"
-        raise NotConvertible(f"its head is {kind}, not a plain linear layer (kept stock, with its logits)")
-    if isinstance(weight, DTensor):
-        raise NotConvertible("its head's weight is sharded (FSDP2): kept stock")
-    if not is_plain(head) and fused_loss_of(model) is None:
-        raise NotConvertible("its head has hooks or a patched forward")
+        raise NotConvertible(f"its head is a {type(layer).__name__}, not a linear layer (kept stock, with its logits)")
+    if any(not fsdp.owns_hook(hook) for hook in foreign_hooks(head)) or (
+        "forward" in head.__dict__ and fused_loss_of(model) is None
+    ):
+        raise NotConvertible("its head has hooks or a patched forward (other than FSDP2's)")
     return head

@@ -158,7 +158,9 @@ def make_plan(model: nn.Module, found: Candidates, flow: Flow, options: Options)
         detail = f"folded into {_relative(layer, name)} (p={p:g}): it saves its input and a seed, not a dropped copy"
         replace(name, "dropout", nn.Identity(), detail)
     for name in found.heads:
-        plan.forwards[named[name]] = FusedLossForward(named[name])
+        head = named[name].get_output_embeddings()
+        fused = FusedLossForward(named[name], plan.replacements.get(head, head))
+        plan.forwards.update({named[name]: fused, fused.head: fused.head_forward})
         plan.entries.append(Entry(name, "head", type(named[name]).__name__, "converted", _HEAD_DETAIL))
     for where, ops in flow.functional.items():
         was = "F." + "/F.".join(sorted(ops))

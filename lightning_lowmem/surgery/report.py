@@ -98,10 +98,10 @@ class LowMemReport:
         if self.pending:
             return "pending: converts at the model's first training forward, on that forward's input"
         counts = ", ".join(
-            f"{len(self._with(status, kind))} {kind}s {status}"
+            f"{n} {kind}{'s' * (n != 1)} {status}"
             for kind in ("activation", "gated MLP", "norm", "dropout", "head")
             for status in get_args(EntryStatus)
-            if self._with(status, kind)
+            if (n := len(self._with(status, kind)))
         )
         line = f"{counts or 'no candidates'}; {self.linears} linear layers recast weights in backward"
         if self.reduction is not None:
