@@ -11,7 +11,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from benchmarks import zoo
-from lightning_lowmem import LowMemBP, apply_lowmem, plan
+from lightning_lowmem import LowMemBP, apply_lowmem, max_batch_size, plan
 from lightning_lowmem.memory import SavedTensorMeter
 from lightning_lowmem.nn.causal_lm import fused_loss_of
 
@@ -184,3 +184,12 @@ def test_lowmem_bp_fuses_the_loss_of_a_peft_causal_lm_with_no_change(tmp_path):
     assert trainer.global_step == 2
     assert [e.status for e in callback.report.entries if e.kind == "head"] == ["converted"]
     assert fused_loss_of(module.model.base_model.model) is not None
+
+
+def test_max_batch_size_counts_the_fused_head():
+    """A Qwen2 vocabulary on a tiny body: the logits are nearly all of a row's activations, so the batch that fits
+    a budget is many times larger with the fused head than with ``head=False``."""
+    model, inputs = qwen2_lora(), batch(QWEN2_VOCAB)
+    fused, stock_head = (max_batch_size(model, inputs, 64, head=head) for head in ("auto", False))
+    assert stock_head >= 1 and fused >= 4 * stock_head, (fused, stock_head)
+    assert fused_loss_of(model) is None  # left unchanged

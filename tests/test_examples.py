@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import math
 import re
 import statistics
@@ -39,6 +40,23 @@ def test_config_runs_under_lightning_cli(config, tmp_path):
     uses_lowmem = "lowmem" in config.stem
     converted = [m for m in cli.model.modules() if type(m).__module__.startswith("lightning_lowmem")]
     assert bool(converted) == uses_lowmem
+
+
+def test_the_llama_example_prints_the_heads_share_before_and_after(tmp_path, caplog):
+    from lightning.pytorch.cli import LightningCLI
+
+    config = CONFIGS[0].with_name("llama_lora_lowmem.yaml")
+    with caplog.at_level(logging.INFO):
+        cli = LightningCLI(
+            llama_finetune.LlamaLoRA, llama_finetune.StdlibTextDataModule,
+            args=["fit", "--config", str(config), "--trainer.fast_dev_run=1", "--data.batch_size=4",
+                  f"--trainer.default_root_dir={tmp_path}"],
+            save_config_kwargs={"overwrite": True},
+        )  # fmt: skip
+    line = next(r.getMessage() for r in caplog.records if "language-model head and loss" in r.getMessage())
+    before, after = (float(mib) for mib in re.findall(r"([\d.]+) of [\d.]+ MiB", line))
+    config = cli.model.model.get_base_model().config  # stock keeps fp32 logits, the fused head the input's gradient
+    assert after <= 1.05 * before * config.hidden_size / config.vocab_size < before, line
 
 
 def test_method_switches_on_from_the_command_line(tmp_path):
