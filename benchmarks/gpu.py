@@ -9,6 +9,8 @@
    weights, LoRA r=64 on all linears, batch 4 x 512); each stock, converted as the paper does
    (approximate activations and memory-sharing norms), with lightning-lowmem's defaults, and stock
    with activation checkpointing. Variants run one at a time (four 7B models do not fit at once).
+4. Records the registers, spill bytes and configurations of every Triton kernel built for this GPU's
+   architecture (``lightning_lowmem.kernels.triton_aot``: the builds the CI test compiles ahead of time).
 
 Writes the "gpu" section of benchmarks/RESULTS.md. About 6 minutes on one H100.
 
@@ -37,6 +39,7 @@ from benchmarks import zoo
 from benchmarks.common import interleaved_median, markdown_table, write_section
 from benchmarks.surgery import loss_of
 from lightning_lowmem import apply_lowmem, functional, kernels
+from lightning_lowmem.kernels import triton_aot
 from lightning_lowmem.memory import MIB
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -287,13 +290,17 @@ def main(argv: list[str] | None = None) -> None:
     print(op_table + "\n\n" + model_table)
     if args.smoke:
         return
+    major, minor = torch.cuda.get_device_capability(device)
+    builds = triton_aot.table(triton_aot.compile_all([10 * major + minor]))
+    print(builds)
     body = (
         "## GPU: kernels and whole training steps\n\n"
         f"GPU-marked tests: {tests}. Default backend for CUDA tensors: `{kernels.backend(device)}`.\n\n"
         "### Ops, forward + backward (median of interleaved runs)\n\nStock norms are affine-free like ours; "
         "Liger Kernel's norms apply a unit affine (they have no affine-free form).\n\n"
         f"{op_table}\n\n### Training steps (bf16 autocast, AdamW; each variant built afresh, one at a time, "
-        f"median of {repeats} steps)\n\n{model_table}"
+        f"median of {repeats} steps)\n\n{model_table}\n\n### Triton kernel builds for this GPU (sm_{major}{minor}; "
+        f"every configuration the launchers can choose)\n\n{builds}"
     )
     write_section("gpu", body, "python -m benchmarks.gpu")
 

@@ -22,6 +22,8 @@ from lightning_lowmem.kernels import torch_ops
 
 ELEMENTS_PER_PROGRAM = 1024  # element-wise kernels: elements per program (4 warps)
 MAX_NORM_BLOCK = 4096  # norms hold up to this many elements of a row at once and walk longer rows in chunks
+MAX_CE_BLOCK = 4096  # the cross-entropy step likewise, over a row of logits
+MIN_ROW_BLOCK = 128  # the smallest row chunk: one element per thread of 4 warps
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -104,21 +106,23 @@ def _norm_backward_kernel(
     grad_ptr += row * dim
     z_ptr += row * dim
     out_ptr += row * dim
+    # The sums are reduced chunk by chunk: block-wide fp32 accumulators (summed once after the loop) crash
+    # Triton 3.8's compiler for sm_90 at BLOCK 4096 (tests/triton_sm90_crash.py).
     cols = tl.arange(0, BLOCK)
-    sum_g = tl.zeros([BLOCK], dtype=tl.float32)
-    sum_gz = tl.zeros([BLOCK], dtype=tl.float32)
+    sum_g = 0.0
+    sum_gz = 0.0
     for start in range(0, dim, BLOCK):
         inside = start + cols < dim
         g = tl.load(grad_ptr + start + cols, mask=inside, other=0.0).to(tl.float32)
         if HAS_SCALE:
             g *= tl.load(scale_ptr + start + cols, mask=inside, other=0.0)
         z = tl.load(z_ptr + start + cols, mask=inside, other=0.0).to(tl.float32)
-        sum_g += g
-        sum_gz += g * z
+        sum_g += tl.sum(g, axis=0)
+        sum_gz += tl.sum(g * z, axis=0)
     mean_g = 0.0
     if CENTER:
-        mean_g = tl.sum(sum_g, axis=0) / dim
-    mean_gz = tl.sum(sum_gz, axis=0) / dim
+        mean_g = sum_g / dim
+    mean_gz = sum_gz / dim
     rstd = tl.load(rstd_ptr + row)
     for start in range(0, dim, BLOCK):
         inside = start + cols < dim
@@ -300,8 +304,8 @@ def act_codes(x: torch.Tensor, thresholds: tuple[float, ...]) -> torch.Tensor:
     table = _table(tuple(thresholds), (1 << bits) - 1, math.inf, x.device)
     with _launching_on("act_codes", x):
         _act_codes_kernel[(triton.cdiv(packed.numel(), per_program),)](
-            x.contiguous(), table, packed, x.numel(), BITS=bits, BYTES=per_program
-        )
+            x.contiguous(), table, packed, x.numel(), BITS=bits, BYTES=per_program, num_warps=8
+        )  # 8 warps: at 4, ptxas spills 16 bytes on sm_90 for fp16 at 2 bits (python -m ...kernels.triton_aot)
     return packed
 
 
@@ -338,10 +342,19 @@ def _rows(op: str, t: torch.Tensor, dim: int) -> int:
     return t.numel() // dim
 
 
-def _norm_settings(dim: int) -> tuple[int, int]:
-    """Chunk length and warps for rows of ``dim`` elements (Liger Kernel's warps per block size)."""
-    block = min(triton.next_power_of_2(dim), MAX_NORM_BLOCK)
-    return block, 8 if block >= 2048 else 4
+def norm_settings(dim: int) -> tuple[int, int]:
+    """Chunk length for rows of ``dim`` elements, a power of two from :data:`MIN_ROW_BLOCK` (an element per thread
+    of 4 warps) to :data:`MAX_NORM_BLOCK`, and warps: at most 8 elements per thread from 2048 on (at 16 per
+    thread the backward needs 128-146 registers and spills on sm_120)."""
+    block = min(max(triton.next_power_of_2(dim), MIN_ROW_BLOCK), MAX_NORM_BLOCK)
+    return block, max(4, block // 256)
+
+
+def cross_entropy_settings(vocab: int) -> tuple[int, int]:
+    """Logits per chunk of a row (a power of two from :data:`MIN_ROW_BLOCK` to :data:`MAX_CE_BLOCK`) and warps:
+    at most 4 logits per thread from 1024 on (with fewer warps ptxas spills on sm_90 with a softcap)."""
+    block = min(max(triton.next_power_of_2(vocab), MIN_ROW_BLOCK), MAX_CE_BLOCK)
+    return block, max(4, block // 128)
 
 
 def norm_forward(
@@ -357,7 +370,7 @@ def norm_forward(
     rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
     if rows == 0:
         return z, rstd
-    block, warps = _norm_settings(dim)
+    block, warps = norm_settings(dim)
     with _launching_on("norm_forward", x):
         _norm_forward_kernel[(rows,)](x.contiguous(), z, rstd, dim, eps, CENTER=center, BLOCK=block, num_warps=warps)
     return z, rstd
@@ -400,7 +413,7 @@ def norm_backward(
     sums = rstd.new_zeros(2, dim) if column_sums else rstd.new_empty(0)
     if rows == 0:
         return grad_input, sums
-    block, warps = _norm_settings(dim)
+    block, warps = norm_settings(dim)
     with _launching_on("norm_backward", z):
         _norm_backward_kernel[(rows,)](
             grad, z.contiguous(), rstd.contiguous(), rstd if scale is None else scale.contiguous(), grad_input, dim,
@@ -454,9 +467,10 @@ def cross_entropy_grad_(
     loss = torch.empty(len(target), dtype=torch.float32, device=logits.device)
     if logits.numel() == 0:
         return loss.zero_()
+    block, warps = cross_entropy_settings(logits.shape[1])
     with _launching_on("cross_entropy_grad_", logits):
         _cross_entropy_grad_kernel[(len(target),)](
             logits, target.contiguous(), loss, logits.shape[1], ignore_index, label_smoothing, softcap,
-            SOFTCAP=softcap > 0, BLOCK=min(triton.next_power_of_2(logits.shape[1]), 4096),
+            SOFTCAP=softcap > 0, BLOCK=block, num_warps=warps,
         )  # fmt: skip
     return loss
