@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_lowmem.nn.peft import active_adapters, is_lora_layer
 from lightning_lowmem.ops.cross_entropy import linear_cross_entropy
 
 
@@ -46,24 +47,12 @@ def causal_lm_loss(
     return loss / (num_items_in_batch.to(loss.device) if torch.is_tensor(num_items_in_batch) else num_items_in_batch)
 
 
-def is_lora_layer(module: nn.Module) -> bool:
-    """A peft LoRA layer (``base_layer`` and per-adapter ``lora_A`` / ``lora_B`` / ``lora_dropout`` / ``scaling``)."""
-    return all(hasattr(module, name) for name in ("base_layer", "lora_A", "lora_B", "lora_dropout", "scaling"))
-
-
-def active_lora_adapters(head: nn.Module) -> list[str]:
-    """The adapters a peft LoRA layer adds now (none when disabled or merged into the base weight)."""
-    if head.disable_adapters or head.merged:
-        return []
-    return [name for name in head.active_adapters if name in head.lora_A]
-
-
 def head_operands(head: nn.Module, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, Any]:
     """The ``head``'s weight and bias as :func:`linear_cross_entropy` takes them and, for a peft LoRA-adapted
     head, its adapter's term ``(scaling * lora_A(dropout(hidden)), lora_B.weight)``, computed as peft computes it."""
     if not is_lora_layer(head):
         return head.weight, getattr(head, "bias", None), None
-    base, active = head.base_layer, active_lora_adapters(head)
+    base, active = head.base_layer, active_adapters(head)
     if len(active) > 1:
         raise RuntimeError(f"the fused loss takes one LoRA adapter on the head; {active} are active")
     if not active:

@@ -18,6 +18,13 @@ def is_lora_layer(module: nn.Module) -> bool:
     )
 
 
+def active_adapters(layer: nn.Module) -> list[str]:
+    """The adapters a LoRA ``layer`` adds now (none when disabled or merged into the base weight)."""
+    if getattr(layer, "disable_adapters", False) or getattr(layer, "merged", False):
+        return []
+    return [name for name in getattr(layer, "active_adapters", ()) if name in layer.lora_A]
+
+
 def lora_dropouts(model: nn.Module) -> Iterator[tuple[str, nn.Module, str, nn.Module]]:
     """``(layer name, LoRA layer, adapter, dropout module)`` for every adapter's dropout of ``model``'s LoRA layers
     (``nn.Identity`` for ``lora_dropout=0``)."""
@@ -45,12 +52,10 @@ def saves_its_input(layer: nn.Module | None) -> bool:
         return False
     if layer.base_layer.weight.requires_grad:
         return True
-    if getattr(layer, "disable_adapters", False) or getattr(layer, "merged", False):
-        return False
-    lora_a, dropout = layer.lora_A, getattr(layer, "lora_dropout", {})
+    dropout = getattr(layer, "lora_dropout", {})
     return any(
-        name in lora_a and lora_a[name].weight.requires_grad and isinstance(dropout[name], nn.Identity)
-        for name in getattr(layer, "active_adapters", ())
+        layer.lora_A[name].weight.requires_grad and isinstance(dropout[name], nn.Identity)
+        for name in active_adapters(layer)
     )
 
 

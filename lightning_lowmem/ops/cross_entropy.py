@@ -104,13 +104,18 @@ def _scaled(grad: torch.Tensor | None, upstream: torch.Tensor) -> torch.Tensor |
     return (grad * upstream).to(grad.dtype)
 
 
+def _needs(ctx) -> tuple[bool, ...]:
+    """Which of ``LinearCrossEntropyFunction``'s operands, then its bias, need a gradient."""
+    return (*ctx.needs_input_grad[6:], ctx.needs_input_grad[5])
+
+
 class LinearCrossEntropyFunction(torch.autograd.Function):
     """The cross-entropy of ``sum(input @ weight.T) + bias`` over the terms ``operands = (hidden, weight[, lora
     input, lora weight])`` (inputs: rows x features), by chunks of rows."""
 
     @staticmethod
     def forward(ctx, target, ignore_index: int, smoothing: float, softcap: float, reduction: str, bias, *operands):
-        needs = (*ctx.needs_input_grad[6:], ctx.needs_input_grad[5])  # per operand, then the bias
+        needs = _needs(ctx)
         terms = list(zip(operands[::2], operands[1::2]))
         # per-row upstream gradients reach a weight only through each row: then the backward recomputes
         in_forward = reduction != "none" or not any(needs[1::2])
@@ -135,15 +140,13 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, upstream: torch.Tensor | None):
         ignore_index, smoothing, softcap, reduction, in_forward = ctx.args
-        count = len(ctx.needs_input_grad) - 6
         if upstream is None:
-            return (None,) * (6 + count)
+            return (None,) * len(ctx.needs_input_grad)
         refuse_double_backward("linear_cross_entropy")
         upstream = upstream.float()
         if not in_forward:  # reduction "none" with a trainable weight or bias: each chunk again, scaled by row
             target, bias, *operands = ctx.saved_tensors
-            needs = (*ctx.needs_input_grad[6:], ctx.needs_input_grad[5])
-            chunks = _Chunks(list(zip(operands[::2], operands[1::2])), bias, needs)
+            chunks = _Chunks(list(zip(operands[::2], operands[1::2])), bias, _needs(ctx))
             impl = kernels.implementation(target.device)
             for part in chunks:
                 logits = chunks.logits(part)

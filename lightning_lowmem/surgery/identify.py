@@ -20,8 +20,9 @@ from torch import nn
 from torch.func import functional_call
 
 from lightning_lowmem.memory.saved_tensors import OBSERVER
-from lightning_lowmem.nn.causal_lm import active_lora_adapters, fused_loss_of, is_lora_layer
+from lightning_lowmem.nn.causal_lm import fused_loss_of
 from lightning_lowmem.nn.gated import GatedLayout, GatedMLPBase, gated_layouts
+from lightning_lowmem.nn.peft import active_adapters, is_lora_layer, uses_dora
 from lightning_lowmem.registry import activations, heads, norms
 from lightning_lowmem.registry.activations import ACTIVATIONS, Activation
 from lightning_lowmem.registry.norms import NORMS, STOCK_LAYOUT, NormKindName, NormLayout
@@ -315,7 +316,7 @@ def fusable_head(model: nn.Module) -> nn.Module:
         raise NotConvertible("it has no output embeddings (head)")
     layer = head
     if is_lora_layer(head):
-        if len(active_lora_adapters(head)) > 1 or any(getattr(head, "use_dora", {}).values()):
+        if len(active_adapters(head)) > 1 or any(uses_dora(head, adapter) for adapter in head.lora_A):
             raise NotConvertible("its head has several active LoRA adapters or DoRA (kept stock, with its logits)")
         if any(b.bias is not None for b in head.lora_B.values()):
             raise NotConvertible("its head's LoRA adapter has a bias (kept stock, with its logits)")
