@@ -24,6 +24,20 @@ from lightning_lowmem.ops.gated import MODES, gated_activation
 from lightning_lowmem.registry.activations import get_activation
 
 
+def product_mode(consumer: nn.Module | None) -> str:
+    """The gated op's mode for a product read by ``consumer``: share the product where that layer saves it."""
+    return "gate" if saves_its_input(consumer) else "gate_up"
+
+
+def gated_product(gate: torch.Tensor, up: torch.Tensor, activation: str, consumer: nn.Module | None) -> torch.Tensor:
+    """``act(gate) * up`` where a forward computes it with functions (``F.silu(self.fc_1(x)) * self.fc_2(x)``),
+    fused; ``consumer`` is the layer reading the product, if that is all that reads it. Operands that broadcast
+    are multiplied as the forward did (the fused op needs one shape)."""
+    if gate.shape != up.shape:
+        return get_activation(activation).stock(gate) * up
+    return gated_activation(gate, up, activation, product_mode(consumer))
+
+
 @dataclass(frozen=True)
 class GatedLayout:
     """A stock gated MLP by its child names: all of them, the activation, the projection reading the input, and
@@ -81,9 +95,7 @@ class GatedMLPBase(nn.Module, ABC):
 
     def resolved_mode(self) -> str:
         """``mode``, with ``"auto"`` resolved for the current ``requires_grad`` flags."""
-        if self.mode != "auto":
-            return self.mode
-        return "gate" if saves_its_input(self.consumer()) else "gate_up"
+        return product_mode(self.consumer()) if self.mode == "auto" else self.mode
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         compute = autocast_dtype(x)

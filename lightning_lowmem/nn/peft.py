@@ -10,6 +10,8 @@ from collections.abc import Iterator
 
 from torch import nn
 
+from lightning_lowmem.nn import litgpt
+
 
 def is_lora_layer(module: nn.Module) -> bool:
     """A peft LoRA layer: a base layer with ``lora_A`` adapters around it."""
@@ -40,7 +42,7 @@ def uses_dora(layer: nn.Module, adapter: str) -> bool:
 
 
 def saves_its_input(layer: nn.Module | None) -> bool:
-    """Whether ``layer`` (an ``nn.Linear`` or a LoRA layer over one) saves its input tensor itself.
+    """Whether ``layer`` (an ``nn.Linear``, or a peft or LitGPT LoRA layer over one) saves its input tensor itself.
 
     A frozen linear saves nothing (its input gradient needs only the weight). A LoRA ``lora_A``
     saves the very input when it trains and its dropout is the identity (peft's input cast under
@@ -48,6 +50,8 @@ def saves_its_input(layer: nn.Module | None) -> bool:
     """
     if isinstance(layer, nn.Linear):
         return layer.weight.requires_grad
+    if layer is not None and litgpt.is_lora_layer(layer):
+        return litgpt.saves_its_input(layer)
     if layer is None or not is_lora_layer(layer) or not isinstance(layer.base_layer, nn.Linear):
         return False
     if layer.base_layer.weight.requires_grad:

@@ -76,6 +76,8 @@ class Activation:
     modules: tuple[type[nn.Module], ...] = ()
     pattern: str | None = None
     """Class names that nominate a parameter-free leaf module (matched case-insensitively)."""
+    functions: tuple[Callable[..., torch.Tensor], ...] = ()
+    """torch functions that may compute it when a forward calls them (``F.silu(self.fc_1(x))``)."""
     paper_2bit: StepDerivative | None = None
     kernel: str | None = None
     gated: str | None = None
@@ -112,14 +114,18 @@ def _quick_gelu(x: torch.Tensor) -> torch.Tensor:
 ACTIVATIONS: dict[str, Activation] = {
     entry.name: entry
     for entry in (
-        Activation("gelu", "GELU (erf)", F.gelu, (nn.GELU,), "gelu", GELU_2BIT, kernel="gelu", gated="GeGLU"),
         Activation(
-            "gelu_tanh", "GELU (tanh)", lambda x: F.gelu(x, approximate="tanh"), (nn.GELU,), "gelu", GELU_2BIT,
-            kernel="gelu_tanh", gated="GeGLU (tanh)",
+            "gelu", "GELU (erf)", F.gelu, (nn.GELU,), "gelu", (F.gelu,), GELU_2BIT, kernel="gelu", gated="GeGLU"
         ),
-        Activation("silu", "SiLU", F.silu, (nn.SiLU,), "silu|swish", SILU_2BIT, kernel="silu", gated="SwiGLU"),
+        Activation(
+            "gelu_tanh", "GELU (tanh)", lambda x: F.gelu(x, approximate="tanh"), (nn.GELU,), "gelu", (F.gelu,),
+            GELU_2BIT, kernel="gelu_tanh", gated="GeGLU (tanh)",
+        ),
+        Activation(
+            "silu", "SiLU", F.silu, (nn.SiLU,), "silu|swish", (F.silu,), SILU_2BIT, kernel="silu", gated="SwiGLU"
+        ),
         Activation("quick_gelu", "QuickGELU", _quick_gelu, pattern="gelu"),
-        Activation("mish", "Mish", F.mish, (nn.Mish,), "mish"),
+        Activation("mish", "Mish", F.mish, (nn.Mish,), "mish", (F.mish,)),
     )
 }  # fmt: skip
 GATED_ACTIVATIONS: tuple[str, ...] = tuple(name for name, entry in ACTIVATIONS.items() if entry.gated)

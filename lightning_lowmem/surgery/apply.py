@@ -141,6 +141,7 @@ def run(report: LowMemReport, model: nn.Module, options: Options, example: Any) 
     named = dict(model.named_modules())
     modules = (*CONVERTED, nn.Dropout)  # a dropout module's own F.dropout call is no functional one
     ignored = {m for m in named.values() if names_activation(m) or isinstance(m, modules)}
+    ignored |= {named[name] for name in found.rewritten}  # their activation calls are converted
     shapes = {name: spec.normalized_shape for name, spec in found.norms.items()}
     flow = probe(model, example, shapes, ignored, {named[name] for name in (*found.folded, *found.dropouts)})
     decided = make_plan(model, found, flow, options)
@@ -157,8 +158,8 @@ def run(report: LowMemReport, model: nn.Module, options: Options, example: Any) 
             surgery.replace(old, new)
         for caller in decided.functional_callers:
             surgery.keep_hooks(share_functional_linears(caller))
-        for module, forward in decided.forwards.items():
-            surgery.override(module, "forward", forward)
+        for (module, method), installed in decided.methods.items():
+            surgery.override(module, method, installed)
         for layer in list(redundant_input_casts(model, LowMemLinear)):  # LowMemLinear casts its input itself
             surgery.set(layer, "cast_input_dtype_enabled", False)
         if reference is not None:

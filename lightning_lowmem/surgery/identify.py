@@ -12,7 +12,7 @@ is a linear layer with a transposed weight).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -99,6 +99,19 @@ def _elementwise_output(module: nn.Module) -> torch.Tensor:
 
 def _matching_activation(y: torch.Tensor, entries: tuple[Activation, ...]) -> Activation | None:
     return next((e for e in entries if torch.allclose(y, e.stock(_ACTIVATION_PROBE), rtol=0, atol=1e-9)), None)
+
+
+def activation_of_function(function: Any) -> Activation | None:
+    """The registry entry an elementwise ``function`` (a torch function with its other arguments bound) computes
+    on the activation probe, if any."""
+    try:
+        with torch.no_grad():
+            y = function(_ACTIVATION_PROBE.clone())
+    except Exception:  # noqa: BLE001 - any failure means: not an elementwise activation
+        return None
+    if not isinstance(y, torch.Tensor) or y.shape != _ACTIVATION_PROBE.shape:
+        return None
+    return _matching_activation(y.double(), tuple(ACTIVATIONS.values()))
 
 
 def activation_of(module: nn.Module) -> Activation:

@@ -18,8 +18,10 @@ from lightning_lowmem.nn import (
     MemorySharingNorm,
     SeededDropout,
 )
+from lightning_lowmem.nn import litgpt
 from lightning_lowmem.nn.causal_lm import fused_loss_of
 from lightning_lowmem.nn.peft import lora_dropouts, uses_dora
+from lightning_lowmem.nn.rewritten import RewrittenForward, rewritten_forward_of
 from lightning_lowmem.registry.dropouts import is_elementwise_dropout
 from lightning_lowmem.registry.heads import names_causal_lm
 from lightning_lowmem.surgery.identify import (
@@ -37,6 +39,7 @@ from lightning_lowmem.surgery.identify import (
     norm_spec,
     unnamed_activation,
 )
+from lightning_lowmem.surgery.functional import calls_activation_functions, rewrite
 from lightning_lowmem.surgery.options import Options
 from lightning_lowmem.surgery.report import Entry, EntryKind
 
@@ -63,6 +66,9 @@ class Candidates:
     linears: dict[str, LinearKind] = field(default_factory=dict)  # every linear layer not yet sharing a norm
     dropouts: dict[str, float] = field(default_factory=dict)  # model dropouts -> p
     heads: list[str] = field(default_factory=list)  # causal LMs whose loss the fused head computes
+    rewritten: dict[str, RewrittenForward] = field(default_factory=dict)  # forwards calling activation functions
+    litgpt_lora: dict[str, float] = field(default_factory=dict)  # LitGPT LoRA layers -> their dropout, folded
+    litgpt_attention: list[str] = field(default_factory=list)  # LitGPT attentions whose SDPA inputs are laid out
     folded: dict[str, tuple[str, float]] = field(default_factory=dict)  # dropouts -> (the linear taking them in, p)
     entries: dict[str, Entry] = field(default_factory=dict)
 
@@ -79,6 +85,10 @@ def _already_converted(name: str, module: nn.Module) -> Entry | None:
     for cls, kind in CONVERTED.items():
         if isinstance(module, cls):
             return Entry(name, kind, type(module).__name__, "already converted", "")
+    if rewritten_forward_of(module) is not None:
+        return Entry(name, "functional", type(module).__name__, "already converted", "")
+    if litgpt.attention_layout_of(module) is not None:
+        return Entry(name, "attention", type(module).__name__, "already converted", "")
     return None
 
 
@@ -99,6 +109,9 @@ def nominate(model: nn.Module, options: Options) -> Candidates:
     """Find and verify every candidate module; left-alone ones get their reason."""
     found = Candidates()
     fused_activations = _nominate_gated(model, options, found)
+    if options.activation or options.gated:
+        _nominate_functional(model, options, found)
+    _nominate_litgpt_lora(model, options, found)
     if options.dropout:
         _nominate_lora_dropouts(model, options, found)
     linear_layers, takes_dropout = LinearLayers(), found.takes_dropout()
@@ -162,6 +175,44 @@ def _nominate_gated(model: nn.Module, options: Options, found: Candidates) -> se
         if between is not None and _foldable(*(module._modules[child] for child in between)):
             found.folded[f"{name}.{between[0]}"] = (f"{name}.{between[1]}", module._modules[between[0]].p)
     return fused_activations
+
+
+def _nominate_functional(model: nn.Module, options: Options, found: Candidates) -> None:
+    """Modules whose forward calls activations as functions, with that forward rewritten (:mod:`.functional`)."""
+    for name, module in model.named_modules():
+        if name in found.gated or not options.selected(name) or not calls_activation_functions(module):
+            continue
+        if rewritten_forward_of(module) is not None:
+            continue  # the main walk reports it as already converted
+        if not is_plain(module):
+            found.entries[f"{name}:functional"] = Entry(
+                name, "functional", type(module).__name__, "left alone", "has hooks or a patched forward"
+            )
+            continue
+        try:
+            rewritten = rewrite(module, options.gated, options.bits if options.activation else None)
+        except NotConvertible as err:
+            found.entries[f"{name}:functional"] = Entry(name, "functional", type(module).__name__, "left alone", str(err))
+            continue
+        if rewritten is not None:
+            found.rewritten[name] = rewritten
+
+
+def _nominate_litgpt_lora(model: nn.Module, options: Options, found: Candidates) -> None:
+    """LitGPT's LoRA layers: each gets :class:`~lightning_lowmem.nn.litgpt.LoRAForward` (its adapter shares a
+    norm's tensor), taking in its dropout when that can be folded; and its attentions, an
+    :class:`~lightning_lowmem.nn.litgpt.AttentionLayout`."""
+    for name, layer in model.named_modules():
+        if litgpt.is_attention(layer) and options.selected(name) and litgpt.attention_layout_of(layer) is None:
+            found.litgpt_attention.append(name)
+        if not litgpt.is_lora_layer(layer) or not options.selected(name) or not is_plain(layer):
+            continue
+        p = litgpt.dropout_probability(layer)
+        dropout = f"{name}.lora_dropout"
+        fold = options.dropout and p > 0 and is_plain(layer.lora_dropout) and options.selected(dropout)
+        found.litgpt_lora[name] = p if fold else 0.0
+        if fold:
+            found.folded[dropout] = (f"{name}.lora_A", p)  # its adapter's x @ A.T takes it in
 
 
 def _foldable(dropout: nn.Module, layer: nn.Module) -> bool:

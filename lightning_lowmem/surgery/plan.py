@@ -20,6 +20,7 @@ from lightning_lowmem.nn import (
     SeededDropout,
 )
 from lightning_lowmem.nn.causal_lm import FusedLossForward
+from lightning_lowmem.nn.litgpt import AttentionLayout, LoRAForward
 from lightning_lowmem.registry.activations import ACTIVATIONS
 from lightning_lowmem.registry.norms import NORMS
 from lightning_lowmem.surgery.bitsandbytes import is_frozen_4bit_linear
@@ -42,19 +43,24 @@ def decide_consumers(model: nn.Module, found: Candidates, flow: Flow, options: O
         if len(spec.normalized_shape) > 1:
             flow.block(name, f"normalized over {len(spec.normalized_shape)} dimensions, its linear readers over one")
         elif name not in flow.blocked:
-            _decide_consumers(name, flow, found.linears, named, options)
+            _decide_consumers(name, flow, found.linears, set(found.litgpt_lora), named, options)
 
 
 def _decide_consumers(
-    norm: str, flow: Flow, linears: dict[str, LinearKind], named: dict[str, nn.Module], options: Options
+    norm: str,
+    flow: Flow,
+    linears: dict[str, LinearKind],
+    lora_layers: set[str],
+    named: dict[str, nn.Module],
+    options: Options,
 ) -> None:
     """The linear layers reading ``norm``'s output that become its consumers, or the norm's reason to be left
     alone. A linear layer is called on the output, or its weight is used by ``F.linear`` on it in another
     module's forward (that module then shares through :func:`~lightning_lowmem.nn.linear.share_functional_linears`).
     An excluded or hooked one stays stock and reads the stock output. A frozen 4-bit linear (QLoRA's base layer)
-    is a consumer as it is: it saves nothing."""
+    is a consumer as it is: it saves nothing. A LitGPT LoRA layer is one through its adapter's ``x @ A.T``."""
     reads = flow.reads[norm]
-    reads_linearly = lambda where: where in linears or is_frozen_4bit_linear(named[where])
+    reads_linearly = lambda where: where in linears or where in lora_layers or is_frozen_4bit_linear(named[where])
     called = [r.where for r in reads if r.op is None and reads_linearly(r.where)]
     functional = [
         r for r in reads if r.op == "linear" and linears.get(r.weight_of) == "linear" and not options.excluded(r.where)
@@ -80,7 +86,7 @@ class Plan:
 
     replacements: dict[nn.Module, nn.Module] = field(default_factory=dict)
     functional_callers: list[nn.Module] = field(default_factory=list)
-    forwards: dict[nn.Module, object] = field(default_factory=dict)  # module -> the forward installed on it
+    methods: dict[tuple[nn.Module, str], object] = field(default_factory=dict)  # (module, method) -> installed
     entries: list[Entry] = field(default_factory=list)
     linears: int = 0
 
@@ -95,6 +101,7 @@ def _norm_detail(name: str, spec: NormSpec, consumers: list[str], callers: list[
     return detail
 
 
+_ATTENTION_DETAIL = "v compact and q as (B, T, H, D): SDPA holds no qkv output, proj reads the output it saves"
 _HEAD_DETAIL = "training loss through the fused linear + cross-entropy (no logits; logits None with labels)"
 
 
@@ -150,6 +157,15 @@ def make_plan(model: nn.Module, found: Candidates, flow: Flow, options: Options)
             dropout = {"dropout": folded[name]} if name in folded else {}  # LowMemLinear's alone: nn.Linear's
             plan.replacements[module] = _LOW_MEMORY_LINEARS[kind].from_linear(module, norm, **dropout)
             plan.linears += not recasts
+    for name, p in found.litgpt_lora.items():
+        plan.methods[named[name], "forward"] = LoRAForward(named[name], norm_of.get(name), p)
+    for name in found.litgpt_attention:
+        plan.methods[named[name], "scaled_dot_product_attention"] = AttentionLayout(named[name])
+        plan.entries.append(Entry(name, "attention", type(named[name]).__name__, "converted", _ATTENTION_DETAIL))
+    for name, rewritten in found.rewritten.items():
+        plan.methods[named[name], "forward"] = rewritten
+        kind: EntryKind = "gated MLP" if rewritten.fused else "activation"
+        plan.entries.append(Entry(name, kind, type(named[name]).__name__, "converted", "; ".join(rewritten.sites)))
     for name, p in found.dropouts.items():
         replace(
             name, "dropout", SeededDropout.from_module(named[name]), f"seeded (p={p:g}): saves its seed, not its mask"
@@ -160,9 +176,11 @@ def make_plan(model: nn.Module, found: Candidates, flow: Flow, options: Options)
     for name in found.heads:
         head = named[name].get_output_embeddings()
         fused = FusedLossForward(named[name], plan.replacements.get(head, head))
-        plan.forwards.update({named[name]: fused, fused.head: fused.head_forward})
+        plan.methods.update({(named[name], "forward"): fused, (fused.head, "forward"): fused.head_forward})
         plan.entries.append(Entry(name, "head", type(named[name]).__name__, "converted", _HEAD_DETAIL))
     for where, ops in flow.functional.items():
+        if f"{where}:functional" in found.entries or where in found.rewritten:
+            continue  # reported by the nominate stage
         was = "F." + "/F.".join(sorted(ops))
         plan.entries.append(Entry(where, "functional", was, "left alone", "called as a function, not a module"))
     order = {name: i for i, name in enumerate(named)}

@@ -8,7 +8,7 @@ from typing import Literal, get_args
 from lightning_lowmem.memory import MIB, SavedTensorMeter
 from lightning_lowmem.surgery.budget import BudgetPlan
 
-EntryKind = Literal["activation", "gated MLP", "norm", "dropout", "head", "functional"]
+EntryKind = Literal["activation", "gated MLP", "norm", "dropout", "head", "attention", "functional"]
 EntryStatus = Literal["converted", "already converted", "left alone"]
 
 
@@ -99,7 +99,7 @@ class LowMemReport:
             return "pending: converts at the model's first training forward, on that forward's input"
         counts = ", ".join(
             f"{n} {kind}{'s' * (n != 1)} {status}"
-            for kind in ("activation", "gated MLP", "norm", "dropout", "head")
+            for kind in ("activation", "gated MLP", "norm", "dropout", "head", "attention")
             for status in get_args(EntryStatus)
             if (n := len(self._with(status, kind)))
         )
