@@ -106,7 +106,7 @@ class Family:
     name: str
     build: Callable[[], nn.Module]
     example: Callable[[], Any]  # a tensor, or a dict of keyword arguments
-    source: str  # "transformers" or "timm"
+    source: str  # "transformers", "timm" or "litgpt"
 
     def call(self, model: nn.Module, example: Any, hidden_states: bool = False) -> Any:
         """The model's output; with ``hidden_states`` also every hidden state it can return."""
@@ -114,6 +114,8 @@ class Family:
             return (
                 model.forward_intermediates(example, norm=True, output_fmt="NLC") if hidden_states else model(example)
             )
+        if self.source == "litgpt":  # returns the logits alone
+            return model(example)
         extra = {"output_hidden_states": True} if hidden_states else {}
         return model(**example, **extra)
 
@@ -152,6 +154,44 @@ def _image(model_name: str, size: int = 32, patch: int = 8) -> Family:
         )  # fmt: skip
 
     return Family(model_name, build, lambda: torch.randn(BATCH, 3, size, size), "timm")
+
+
+def litgpt_config(name: str, lora: bool = False, **overrides: Any) -> Any:
+    """LitGPT's config of ``name`` (``litgpt.Config.from_name``) at the zoo's size: hidden 64 in 4 heads of 16 (as
+    many for keys and values), intermediate 128 for gated MLPs, 2 layers, vocabulary 128; with ``lora``,
+    ``litgpt.lora.Config`` with adapters of r 4, alpha 8 on every linear layer and the head, dropout 0;
+    ``overrides`` win."""
+    import litgpt
+    import litgpt.lora
+
+    base = litgpt.Config.from_name(name)
+    sizes = {"n_layer": 2, "n_embd": HIDDEN, "n_head": 4, "n_query_groups": 4, "head_size": 16, "padded_vocab_size": VOCAB}
+    if base.mlp_class_name in ("LLaMAMLP", "GemmaMLP"):
+        sizes["intermediate_size"] = 2 * HIDDEN
+    if not lora:
+        return litgpt.Config.from_name(name, **{**sizes, **overrides})
+    adapters = {f"lora_{part}": True for part in ("query", "key", "value", "projection", "mlp", "head")}
+    return litgpt.lora.Config.from_name(
+        name, **{**sizes, "lora_r": 4, "lora_alpha": 8, "lora_dropout": 0.0, **adapters, **overrides}
+    )
+
+
+def litgpt_model(name: str, lora: bool = False, **overrides: Any) -> nn.Module:
+    """A random-init LitGPT ``GPT`` (``litgpt.lora.GPT`` with ``lora``, only the adapters trainable) of
+    :func:`litgpt_config`."""
+    import litgpt
+    import litgpt.lora
+
+    config = litgpt_config(name, lora, **overrides)
+    if not lora:
+        return litgpt.GPT(config)
+    model = litgpt.lora.GPT(config)
+    litgpt.lora.mark_only_lora_as_trainable(model)
+    return model
+
+
+def _litgpt(name: str) -> Family:
+    return Family(f"litgpt {name}", lambda: litgpt_model(name), tokens, "litgpt")
 
 
 _BERTISH = {
@@ -252,6 +292,10 @@ FAMILIES: dict[str, Family] = {
         _text("Phi3ForCausalLM", "Phi3Config", causal=True, **_DECODER),
         _text("GemmaForCausalLM", "GemmaConfig", causal=True, head_dim=16, **_DECODER),
         _text("Gemma2ForCausalLM", "Gemma2Config", causal=True, head_dim=16, **_DECODER),
+        _litgpt("Llama-2-7b-hf"),
+        _litgpt("pythia-160m"),
+        _litgpt("phi-2"),
+        _litgpt("Gemma-2b"),
         _image("vit_small_patch16_224"),
         _image("beit_base_patch16_224"),
         _image("eva02_tiny_patch14_224", size=28, patch=14),

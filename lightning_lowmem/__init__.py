@@ -9,6 +9,8 @@ from lightning_lowmem import functional, kernels, memory, nn, registry
 from lightning_lowmem.lightning import LowMemBP, LowMemFSDPPrecision, LowMemPrecision, PeakMemoryMonitor
 from lightning_lowmem.registry import register_activation, register_norm
 from lightning_lowmem.surgery import LowMemReport, Options, apply_lowmem, max_batch_size, plan
+from lightning_lowmem.surgery.apply import max_sequence_length, training_memory
+from lightning_lowmem.surgery.budget import TrainingMemory
 
 __version__ = "0.1.0"
 
@@ -19,14 +21,17 @@ __all__ = [
     "LowMemReport",
     "Options",
     "PeakMemoryMonitor",
+    "TrainingMemory",
     "apply_lowmem",
     "functional",
     "kernels",
     "max_batch_size",
+    "max_sequence_length",
     "memory",
     "nn",
     "plan",
     "register_activation",
     "register_norm",
     "registry",
+    "training_memory",
 ]

@@ -57,6 +57,10 @@ EXPECTED = {
     "Phi3ForCausalLM": Expect(5, 0, 0, 2, 0.40),
     "GemmaForCausalLM": Expect(5, 0, 0, 2, 0.45),
     "Gemma2ForCausalLM": Expect(5, 4, 0, 2, 0.30),  # post-sublayer norms: only a residual add reads them
+    "litgpt Llama-2-7b-hf": Expect(5, 0, 0, 2, 0.50),  # its MLP's F.silu(fc_1(x)) * fc_2(x) fused by data flow
+    "litgpt pythia-160m": Expect(5, 0, 2, 0, 0.40),  # F.gelu in its MLP's forward
+    "litgpt phi-2": Expect(3, 0, 2, 0, 0.42),  # one norm for attention and MLP
+    "litgpt Gemma-2b": Expect(5, 0, 0, 2, 0.50),
     "vit_small_patch16_224": Expect(5, 0, 2, 0, 0.30),
     "beit_base_patch16_224": Expect(5, 0, 2, 0, 0.27),
     "eva02_tiny_patch14_224": Expect(5, 0, 0, 2, 0.27),

@@ -101,8 +101,7 @@ class AttentionLayout:
     def __call__(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
     ) -> torch.Tensor:
-        if v.untyped_storage().nbytes() > v.numel() * v.element_size():
-            v = v.contiguous()
+        v = v.contiguous()  # a view of qkv is not; a compact v (GQA's repeat_interleave) stays as it is
         if q.dim() == 4 and q.is_contiguous():
             q = q.transpose(1, 2).contiguous().transpose(1, 2)
         return type(self.attention).scaled_dot_product_attention(self.attention, q, k, v, mask)

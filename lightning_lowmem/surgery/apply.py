@@ -19,6 +19,9 @@ first training forward (:mod:`.deferred`).
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from torch import nn
@@ -29,7 +32,7 @@ from lightning_lowmem.nn import LowMemLinear
 from lightning_lowmem.nn.linear import share_functional_linears
 from lightning_lowmem.nn.peft import redundant_input_casts
 from lightning_lowmem.surgery.bitsandbytes import keep_4bit_layers_trainable
-from lightning_lowmem.surgery.budget import fit_budget
+from lightning_lowmem.surgery.budget import GIB, TrainingMemory, fit_budget, fit_lengths, sequence_length, with_length
 from lightning_lowmem.surgery.convert import Surgery
 from lightning_lowmem.surgery.deferred import convert_at_first_forward
 from lightning_lowmem.surgery.example import batch_size, describe, with_batch_size
@@ -134,6 +137,98 @@ def max_batch_size(model: nn.Module, example_input: Any, budget_mib: float, **op
     return size
 
 
+@contextmanager
+def _converted(model: nn.Module, example: Any, options: dict[str, Any], owner: str, lowmem: bool) -> Iterator[None]:
+    """``model`` converted quietly (no check, no measurement) for the duration, unless not ``lowmem``."""
+    parsed = Options.parse(options, owner).check_patterns(model)
+    if not lowmem:
+        yield
+        return
+    surgery = run(LowMemReport(), model, Options(**{**parsed.as_dict(), "verify": False, "measure": False}), example)
+    try:
+        yield
+    finally:
+        surgery.rollback()
+
+
+@takes_options
+def training_memory(
+    model: nn.Module, example_input: Any, optimizer: str | float = "adamw", lowmem: bool = True, **options: Any
+) -> TrainingMemory:
+    """What a training step of ``model`` holds as a function of the sequence length (a :class:`TrainingMemory`),
+    after :func:`apply_lowmem` (``lowmem=False``: the stock model), ``model`` left unchanged.
+
+    Weights, gradients and optimizer state are counted from the parameters; activations are measured at the
+    example's length ``T`` and at ``2 T + 1``: linear in the length, plus a quadratic term from tensors with two
+    dimensions of the length (eager attention's scores; SDPA and flash attention have none).
+
+    Args:
+        model: the model, as for :func:`apply_lowmem`.
+        example_input: an input whose tensors of two or more dims share their sequence length (dim 1), e.g. a
+            dict of ``input_ids``, ``attention_mask`` and ``labels`` (with ``labels`` the loss counts).
+        optimizer: its state's bytes per trainable parameter, or a name: ``"adamw"`` (two fp32 moments, 8 B),
+            ``"adamw8bit"`` / ``"paged_adamw_8bit"`` (bitsandbytes, 2 B), ``"paged_adamw_32bit"`` (8 B), ``"sgd"``.
+        lowmem: measure the converted model (else the stock model: the options are not used).
+        {options}
+    """
+    length = sequence_length(example_input, "training_memory")
+    with _converted(model, example_input, options, "training_memory", lowmem):
+        return fit_lengths(model, example_input, (length, 2 * length + 1), optimizer)
+
+
+@takes_options
+def max_sequence_length(
+    model: nn.Module,
+    example_input: Any,
+    budget_gib: float,
+    optimizer: str | float = "adamw",
+    lowmem: bool = True,
+    **options: Any,
+) -> int:
+    """The longest sequence whose training step fits ``budget_gib``: weights, gradients, optimizer state and the
+    activations after :func:`apply_lowmem` (without checkpointing; ``lowmem=False``: the stock model's), ``model``
+    left unchanged.
+
+    The prediction is :func:`training_memory`'s (activations measured at two lengths: linear, plus a quadratic
+    term where attention is eager); the model is then measured at the predicted length, and the length lowered
+    until the measurement fits. Activations are the bytes a training forward saves for backward (the same on
+    every device); a GPU's context, workspace and the allocator's fragmentation are not counted: leave room
+    for them in the budget.
+
+    Args:
+        model: the model, as for :func:`apply_lowmem`.
+        example_input: an input whose tensors of two or more dims share their sequence length (dim 1); its
+            batch size is kept.
+        budget_gib: the memory to fit, in GiB (2**30 bytes).
+        optimizer: as for :func:`training_memory`.
+        lowmem: as for :func:`training_memory`.
+        {options}
+
+    Returns:
+        The length in tokens. Raises ValueError when not even one token fits.
+    """
+    owner = "max_sequence_length"
+    if isinstance(budget_gib, bool) or not isinstance(budget_gib, (int, float)) or not budget_gib > 0:
+        raise ValueError(f"{owner}: budget_gib must be a positive number of GiB, got {budget_gib!r}")
+    budget_bytes = budget_gib * GIB
+    length = sequence_length(example_input, owner)
+    with _converted(model, example_input, options, owner, lowmem):
+        memory = fit_lengths(model, example_input, (length, 2 * length + 1), optimizer)
+        size = memory.max_length(budget_bytes)
+        state = memory.weights + memory.gradients + memory.optimizer
+        while size >= 1:  # measured at the predicted length: lowered until the measurement fits
+            excess = state + measure_saved(model, with_length(example_input, size)).total_bytes - budget_bytes
+            if excess <= 0:
+                break
+            size -= max(1, math.ceil(excess / max(memory.linear + 2 * memory.quadratic * size, 1.0)))
+    if size < 1:
+        raise ValueError(
+            f"{owner}: not even one token fits {budget_gib:g} GiB: {memory.summary()}; weights, gradients and "
+            f"optimizer state alone take {state / GIB:.2f} GiB"
+        )
+    return size
+
+
 def run(report: LowMemReport, model: nn.Module, options: Options, example: Any) -> Surgery:
     """The stages, filling ``report``: decide (nothing changed yet), then change, check, measure and fit the
     budget, undoing every change if anything raises. Returns the applied surgery."""
@@ -166,6 +261,10 @@ def run(report: LowMemReport, model: nn.Module, options: Options, example: Any) 
             verify(model, example, reference)
         if report.saved_bytes_before is not None:
             report.record(measure_saved(model, example), converted=True)
+            if report.saved_bytes_after > report.saved_bytes_before:  # never worse than stock
+                surgery.rollback()
+                report.roll_back()
+                surgery = Surgery(model)
         if options.budget_mib is not None:
             report.budget = fit_budget(model, example, options.budget_mib, surgery, options.checkpoint)
     except BaseException:

@@ -150,10 +150,13 @@ def _rewrite_call(
 
 
 def _in_features(layer: nn.Module) -> int | None:
-    """The input width of a linear layer (plain, LoRA-wrapped, quantized), if it says."""
+    """The input width of a linear layer (plain, LoRA-wrapped, quantized) or a norm, if it says."""
     width = getattr(layer, "in_features", None)
     if isinstance(width, int):
         return width
+    shape = getattr(layer, "normalized_shape", None)
+    if isinstance(shape, (tuple, list)) and len(shape) == 1 and isinstance(shape[0], int):
+        return shape[0]
     inner = next((getattr(layer, name) for name in ("linear", "base_layer") if hasattr(layer, name)), None)
     return _in_features(inner) if isinstance(inner, nn.Module) else None
 
@@ -166,7 +169,7 @@ def _check(module: nn.Module, graph: fx.Graph, function: object) -> None:
     width = _in_features(module.get_submodule(reader.target)) if reader is not None else None
     parameter = next((p for p in module.parameters() if p.is_floating_point()), None)
     if width is None or parameter is None:
-        raise NotConvertible("calls activations as functions, but no linear layer reads its input to check it on")
+        raise NotConvertible("calls activations as functions, but no linear layer or norm reads its input to check it on")
     x = torch.randn(2, 3, width, dtype=parameter.dtype, device=parameter.device)
     tolerance = 1e-4 if parameter.dtype in (torch.float32, torch.float64) else 1e-2
     try:

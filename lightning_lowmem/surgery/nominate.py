@@ -182,6 +182,8 @@ def _nominate_functional(model: nn.Module, options: Options, found: Candidates) 
     for name, module in model.named_modules():
         if name in found.gated or not options.selected(name) or not calls_activation_functions(module):
             continue
+        if module is model or not module._modules or isinstance(module, tuple(CONVERTED)):
+            continue  # the model's own forward may be running (deferred conversion); a leaf is one activation; ours
         if rewritten_forward_of(module) is not None:
             continue  # the main walk reports it as already converted
         if not is_plain(module):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal, get_args
 
 from lightning_lowmem.memory import MIB, SavedTensorMeter
@@ -53,6 +53,17 @@ class LowMemReport:
         setattr(self, f"saved_bytes_{suffix}", meter.total_bytes)
         setattr(self, f"weight_copy_bytes_{suffix}", meter.weight_copy_bytes)
         setattr(self, f"saved_by_module_{suffix}", meter.by_module)
+
+    def roll_back(self) -> None:
+        """Every change was undone, the converted model having saved more for backward than the stock one."""
+        why = (
+            f"rolled back: the converted model saved {self.saved_bytes_after / MIB:.2f} MiB for backward, more "
+            f"than the stock model's {self.saved_bytes_before / MIB:.2f} MiB"
+        )
+        self.entries = [replace(e, status="left alone", detail=why) if e.status == "converted" else e for e in self.entries]
+        self.linears, self.saved_bytes_after = 0, self.saved_bytes_before
+        self.weight_copy_bytes_after, self.saved_by_module_after = self.weight_copy_bytes_before, {}
+        self.notes.append(why)
 
     def _with(self, status: EntryStatus, kind: EntryKind | None = None) -> list[Entry]:
         return [e for e in self.entries if e.status == status and kind in (None, e.kind)]

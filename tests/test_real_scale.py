@@ -1,0 +1,114 @@
+"""What fits a memory budget: ``max_sequence_length`` / ``training_memory`` predict the step's bytes, and the
+prediction holds when the model is measured at the predicted length; ``benchmarks/real_scale.py`` runs."""
+
+from __future__ import annotations
+
+import copy
+import runpy
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from benchmarks import zoo
+from lightning_lowmem import TrainingMemory, apply_lowmem, max_sequence_length, training_memory
+from lightning_lowmem.memory import SavedTensorMeter
+from lightning_lowmem.surgery.budget import GIB, state_bytes, with_length
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("peft")
+
+TOLERANCE = 0.01  # the predicted length is the longest that fits, to within 1% of it (exact in these cases)
+
+
+def lora_llama(attention: str = "sdpa") -> nn.Module:
+    torch.manual_seed(0)
+    model = zoo.llama(attn_implementation=attention, max_position_embeddings=4096)
+    return zoo.lora(model, zoo.LLAMA_LINEARS, r=8, lora_dropout=0.05)
+
+
+def tokens(length: int = 16) -> dict[str, torch.Tensor]:
+    ids = torch.randint(0, 128, (2, length), generator=torch.Generator().manual_seed(0))
+    return {"input_ids": ids, "labels": ids}
+
+
+def step_bytes(model: nn.Module, example: dict, length: int, optimizer_bytes: int = 8) -> int:
+    """Weights, gradients and AdamW state counted, plus what one training forward at ``length`` saves."""
+    with SavedTensorMeter(model) as meter:
+        model.train()(**with_length(example, length))
+    weights = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in model.parameters()}.values())
+    trained = [p for p in model.parameters() if p.requires_grad]
+    return (
+        weights
+        + sum(p.numel() * p.element_size() for p in trained)
+        + optimizer_bytes * sum(p.numel() for p in trained)
+        + meter.total_bytes
+    )
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_the_predicted_length_is_the_longest_that_fits_when_measured(attention):
+    model, example = lora_llama(attention), tokens()
+    budget_gib = 0.01
+    structure = repr(model)
+    length = max_sequence_length(model, example, budget_gib)
+    assert repr(model) == structure and not any("forward" in vars(m) for m in model.modules())  # unchanged
+    memory = training_memory(model, example)
+    assert (memory.quadratic > 0) is (attention == "eager")  # eager attention keeps batch x heads x T x T scores
+    assert abs(memory.max_length(budget_gib * GIB) - length) <= TOLERANCE * length  # the prediction, measured
+    converted = copy.deepcopy(model)
+    apply_lowmem(converted, example_input=example)
+    assert step_bytes(converted, example, length) <= budget_gib * GIB
+    assert step_bytes(converted, example, length + 1 + int(TOLERANCE * length)) > budget_gib * GIB
+    assert abs(memory.bytes_at(length) - step_bytes(converted, example, length)) <= TOLERANCE * budget_gib * GIB
+
+
+def test_the_stock_model_fits_a_shorter_sequence():
+    model, example = lora_llama(), tokens()
+    stock = training_memory(model, example, lowmem=False)
+    ours = training_memory(model, example)
+    assert stock.weights == ours.weights and stock.gradients == ours.gradients and stock.optimizer == ours.optimizer
+    assert ours.linear < 0.7 * stock.linear
+    assert max_sequence_length(model, example, 0.01, lowmem=False) < max_sequence_length(model, example, 0.01)
+
+
+def test_weights_gradients_and_optimizer_state_are_counted_per_trainable_parameter():
+    model = lora_llama()
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert 0 < trained < sum(p.numel() for p in model.parameters())
+    assert state_bytes(model) == (params, 4 * trained, 8 * trained)  # fp32 LoRA adapters, AdamW's two fp32 moments
+    assert state_bytes(model, "paged_adamw_8bit")[2] == 2 * trained
+    assert state_bytes(model, "SGD")[2] == 0 and state_bytes(model, 4)[2] == 4 * trained
+    memory = TrainingMemory(weights=100, gradients=10, optimizer=20, linear=10.0, quadratic=1.0)
+    assert memory.max_length(130 + 10 * 5 + 25) == 5 and memory.max_length(130 + 10 * 5 + 24) == 4
+    assert memory.max_length(130) == 0
+
+
+def test_bad_input_gets_a_clear_error():
+    model, example = lora_llama(), tokens()
+    for bad in (0, -1.0, "1GB", True):
+        with pytest.raises(ValueError, match="budget_gib must be a positive number"):
+            max_sequence_length(model, example, bad)
+    with pytest.raises(ValueError, match="unknown optimizer 'lion'"):
+        max_sequence_length(model, example, 1.0, optimizer="lion")
+    with pytest.raises(ValueError, match="share their sequence length"):
+        max_sequence_length(model, {"input_ids": example["input_ids"], "labels": example["labels"][:, :8]}, 1.0)
+    with pytest.raises(ValueError, match="share their sequence length"):
+        max_sequence_length(nn.Linear(4, 4), torch.randn(4), 1.0)
+    with pytest.raises(ValueError, match="not even one token fits 1e-05 GiB"):
+        max_sequence_length(model, example, 1e-5)
+    with pytest.raises(TypeError, match="unknown option 'gated_mlp'"):
+        max_sequence_length(model, example, 1.0, gated_mlp=False)
+
+
+def test_the_real_scale_benchmark_runs_and_leaves_results_alone(monkeypatch, capsys):
+    benchmarks = Path(__file__).resolve().parents[1] / "benchmarks"
+    before = (benchmarks / "RESULTS.md").read_text()
+    monkeypatch.setattr(sys, "argv", ["real_scale.py", "--smoke"])
+    runpy.run_path(str(benchmarks / "real_scale.py"), run_name="__main__")
+    out = capsys.readouterr().out
+    assert "|---" in out and "extrapolated" in out
+    assert (benchmarks / "RESULTS.md").read_text() == before
