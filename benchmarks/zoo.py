@@ -190,8 +190,94 @@ def litgpt_model(name: str, lora: bool = False, **overrides: Any) -> nn.Module:
     return model
 
 
+LITGPT_TWINS = {  # LitGPT's name -> the Hugging Face config and model classes of the same architecture
+    "Llama-2-7b-hf": ("LlamaConfig", "LlamaForCausalLM"),
+    "pythia-160m": ("GPTNeoXConfig", "GPTNeoXForCausalLM"),
+    "phi-2": ("PhiConfig", "PhiForCausalLM"),
+    "Gemma-2b": ("GemmaConfig", "GemmaForCausalLM"),
+}
+
+
+def hf_twin(name: str, lora: bool = False, **overrides: Any) -> nn.Module:
+    """The Hugging Face model of LitGPT's ``name`` at the sizes of :func:`litgpt_config` (``overrides`` go to it);
+    with ``lora``, peft adapters as LitGPT's (r, alpha, dropout of the config) on every linear layer and the
+    head."""
+    import transformers
+
+    config = litgpt_config(name, lora, **overrides)
+    config_cls, model_cls = LITGPT_TWINS[name]
+    sizes = {
+        "vocab_size": config.padded_vocab_size, "hidden_size": config.n_embd, "num_hidden_layers": config.n_layer,
+        "intermediate_size": config.intermediate_size, "num_attention_heads": config.n_head,
+        "num_key_value_heads": config.n_query_groups, "head_dim": config.head_size,
+    }  # fmt: skip
+    model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**sizes))
+    if not lora:
+        return model
+    targets = sorted({name.rpartition(".")[2] for name, m in model.named_modules() if isinstance(m, nn.Linear)})
+    return globals()["lora"](model, targets, r=config.lora_r, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout)
+
+
 def _litgpt(name: str) -> Family:
     return Family(f"litgpt {name}", lambda: litgpt_model(name), tokens, "litgpt")
+
+
+class TitanFeedForward(nn.Module):
+    """torchtitan's LLaMA ``FeedForward``: SwiGLU written with functions, ``w2(F.silu(w1(x)) * w3(x))``."""
+
+    def __init__(self, dim: int, hidden_dim: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(torch.nn.functional.silu(self.w1(x)) * self.w3(x))
+
+
+class TitanAttention(nn.Module):
+    """torchtitan's LLaMA ``Attention`` without RoPE: ``wq``, ``wk``, ``wv``, ``wo`` around causal SDPA."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.wq, self.wk, self.wv, self.wo = (nn.Linear(dim, dim, bias=False) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, dim = x.shape
+        q, k, v = (w(x).view(batch, length, self.heads, -1).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(batch, length, dim))
+
+
+class TitanBlock(nn.Module):
+    """torchtitan's ``TransformerBlock``: pre-norm ``nn.RMSNorm``, attention and feed-forward."""
+
+    def __init__(self, dim: int, heads: int, hidden_dim: int) -> None:
+        super().__init__()
+        self.attention_norm, self.ffn_norm = nn.RMSNorm(dim, eps=1e-5), nn.RMSNorm(dim, eps=1e-5)
+        self.attention, self.feed_forward = TitanAttention(dim, heads), TitanFeedForward(dim, hidden_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x))
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class TitanTransformer(nn.Module):
+    """A torchtitan-style LLaMA, hand-written as research code is: the zoo's LLaMA sizes (:data:`TINY_LLAMA`,
+    but as many key/value heads as heads) unless given."""
+
+    def __init__(self, layers: int = 2, dim: int = HIDDEN, heads: int = 4, hidden_dim: int = 2 * HIDDEN) -> None:
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(VOCAB, dim)
+        self.layers = nn.ModuleList(TitanBlock(dim, heads, hidden_dim) for _ in range(layers))
+        self.norm, self.output = nn.RMSNorm(dim, eps=1e-5), nn.Linear(dim, VOCAB, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h)
+        return self.output(self.norm(h))
 
 
 _BERTISH = {

@@ -32,6 +32,7 @@ from lightning_lowmem.nn import LowMemLinear
 from lightning_lowmem.nn.linear import share_functional_linears
 from lightning_lowmem.nn.peft import redundant_input_casts
 from lightning_lowmem.surgery.bitsandbytes import keep_4bit_layers_trainable
+from lightning_lowmem.nn.rewritten import rewritten_forward_of
 from lightning_lowmem.surgery.budget import GIB, TrainingMemory, fit_budget, fit_lengths, sequence_length, with_length
 from lightning_lowmem.surgery.convert import Surgery
 from lightning_lowmem.surgery.deferred import convert_at_first_forward
@@ -235,8 +236,8 @@ def run(report: LowMemReport, model: nn.Module, options: Options, example: Any) 
     found = nominate(model, options)
     named = dict(model.named_modules())
     modules = (*CONVERTED, nn.Dropout)  # a dropout module's own F.dropout call is no functional one
-    ignored = {m for m in named.values() if names_activation(m) or isinstance(m, modules)}
-    ignored |= {named[name] for name in found.rewritten}  # their activation calls are converted
+    ignored = {m for m in named.values() if names_activation(m) or isinstance(m, modules) or rewritten_forward_of(m)}
+    ignored |= {named[name] for name in found.rewritten}  # their activation calls are converted now
     shapes = {name: spec.normalized_shape for name, spec in found.norms.items()}
     flow = probe(model, example, shapes, ignored, {named[name] for name in (*found.folded, *found.dropouts)})
     decided = make_plan(model, found, flow, options)

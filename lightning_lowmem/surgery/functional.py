@@ -99,7 +99,8 @@ def _product_with(call: _Call) -> tuple[fx.Node, fx.Node] | None:
     if product.op != "call_function" or product.target not in _PRODUCTS or len(product.args) != 2 or product.kwargs:
         return None
     other = product.args[1] if product.args[0] is call.output else product.args[0]
-    return (product, other) if isinstance(other, fx.Node) and other is not call.output else None
+    activation = isinstance(other, fx.Node) and other is not call.output and other.op != "get_attr"
+    return (product, other) if activation else None  # a product with a parameter (a scale) is no gated one
 
 
 def _line(node: fx.Node) -> str:
