@@ -119,3 +119,32 @@ def test_main_job_prints_and_draws_the_comparison(capsys, tmp_path):
 def test_stdlib_text_is_real_python_source():
     text = llama_finetune.stdlib_text(20_000)
     assert len(text) == 20_000 and b"def " in text and b"import " in text
+
+
+SMOKE = ["--steps", "3", "--n-layer", "2", "--n-embd", "64", "--seq-len", "32", "--accelerator", "cpu"]
+
+
+def test_the_litgpt_fabric_example_fine_tunes_with_less_memory(capsys):
+    pytest.importorskip("litgpt")
+    from examples import litgpt_finetune
+
+    result = litgpt_finetune.main(SMOKE)
+    out = capsys.readouterr().out
+    assert result["reduction"] > 0.5 and math.isfinite(result["last_loss"]), out
+    assert "less activation memory than stock" in out and "gated MLP" in out
+
+
+def test_the_litgpt_fabric_example_runs_under_fsdp2_in_two_processes():
+    """Fabric's ``ModelParallelStrategy`` (FSDP2, gloo on CPU) shards the converted model; Fabric launches its
+    processes by re-running the script, so it runs as one."""
+    pytest.importorskip("litgpt")
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parents[1] / "examples" / "litgpt_finetune.py"
+    done = subprocess.run(
+        [sys.executable, str(script), *SMOKE, "--devices", "2", "--strategy", "fsdp2", "--model", "pythia-160m"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "less activation memory than stock" in done.stdout, done.stdout[-3000:]

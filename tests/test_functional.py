@@ -172,3 +172,28 @@ def test_a_rewritten_model_compiles_whole_and_matches_eager():
     assert explanation.graph_break_count == 0, explanation.break_reasons
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
     torch.testing.assert_close(compiled(x), model(x))
+
+
+class SharesBadly(nn.Module):
+    """A norm whose input another op saves anyway and whose output a trainable scale saves too: the
+    memory-sharing norm would add its ``z`` to both."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc0, self.norm, self.fc1 = nn.Linear(WIDTH, WIDTH), nn.LayerNorm(WIDTH), nn.Linear(WIDTH, WIDTH)
+        self.s, self.g = nn.Parameter(torch.ones(WIDTH)), nn.Parameter(torch.ones(WIDTH))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.fc0(x)
+        y = self.norm(x)
+        return self.fc1(y) + y * self.g + x * self.s
+
+
+def test_a_conversion_that_would_save_more_is_rolled_back_and_reported():
+    model, x = SharesBadly(), torch.randn(4, 8, WIDTH)
+    stock_bytes = saved(model, x)
+    report = apply_lowmem(model, example_input=x)
+    assert type(model.norm) is nn.LayerNorm and type(model.fc1) is nn.Linear  # every change undone
+    assert report.saved_bytes_after == report.saved_bytes_before == stock_bytes == saved(model, x)
+    assert report.status("norm") == "left alone" and not report.converted
+    assert "rolled back: the converted model saved" in report.entries[0].detail and "rolled back" in str(report)
