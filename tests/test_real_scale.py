@@ -38,7 +38,8 @@ def step_bytes(model: nn.Module, example: dict, length: int, optimizer_bytes: in
     """Weights, gradients and AdamW state counted, plus what one training forward at ``length`` saves."""
     with SavedTensorMeter(model) as meter:
         model.train()(**with_length(example, length))
-    weights = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in model.parameters()}.values())
+    tensors = (*model.parameters(), *model.buffers())
+    weights = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
     trained = [p for p in model.parameters() if p.requires_grad]
     return (
         weights
@@ -51,32 +52,34 @@ def step_bytes(model: nn.Module, example: dict, length: int, optimizer_bytes: in
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
 def test_the_predicted_length_is_the_longest_that_fits_when_measured(attention):
     model, example = lora_llama(attention), tokens()
-    budget_gib = 0.01
+    budget_gib = 0.005
     structure = repr(model)
     length = max_sequence_length(model, example, budget_gib)
     assert repr(model) == structure and not any("forward" in vars(m) for m in model.modules())  # unchanged
-    memory = training_memory(model, example)
-    assert (memory.quadratic > 0) is (attention == "eager")  # eager attention keeps batch x heads x T x T scores
-    assert abs(memory.max_length(budget_gib * GIB) - length) <= TOLERANCE * length  # the prediction, measured
     converted = copy.deepcopy(model)
-    apply_lowmem(converted, example_input=example)
-    assert step_bytes(converted, example, length) <= budget_gib * GIB
+    apply_lowmem(converted, example_input=example, verify=False, measure=False)
+    assert 100 < length and step_bytes(converted, example, length) <= budget_gib * GIB
     assert step_bytes(converted, example, length + 1 + int(TOLERANCE * length)) > budget_gib * GIB
-    assert abs(memory.bytes_at(length) - step_bytes(converted, example, length)) <= TOLERANCE * budget_gib * GIB
 
 
-def test_the_stock_model_fits_a_shorter_sequence():
-    model, example = lora_llama(), tokens()
+def test_eager_attention_adds_a_quadratic_term_and_the_stock_model_fits_a_shorter_sequence():
+    model, example = lora_llama("eager"), tokens()
     stock = training_memory(model, example, lowmem=False)
     ours = training_memory(model, example)
-    assert stock.weights == ours.weights and stock.gradients == ours.gradients and stock.optimizer == ours.optimizer
-    assert ours.linear < 0.7 * stock.linear
-    assert max_sequence_length(model, example, 0.01, lowmem=False) < max_sequence_length(model, example, 0.01)
+    assert (stock.weights, stock.gradients, stock.optimizer) == (ours.weights, ours.gradients, ours.optimizer)
+    # 2 rows x 4 heads x 2 layers of fp32 softmax output per token pair: the attention is not converted
+    assert stock.quadratic == ours.quadratic == 2 * 4 * 2 * 4
+    assert 0 < ours.linear < 0.7 * stock.linear
+    assert 0 < stock.max_length(0.005 * GIB) < ours.max_length(0.005 * GIB)
+    converted = copy.deepcopy(model)
+    apply_lowmem(converted, example_input=example, verify=False, measure=False)
+    for length in (40, 333):  # the fit holds away from the two measured lengths (16 and 33)
+        assert abs(ours.bytes_at(length) - step_bytes(converted, example, length)) <= 64, length
 
 
 def test_weights_gradients_and_optimizer_state_are_counted_per_trainable_parameter():
     model = lora_llama()
-    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    params = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     assert 0 < trained < sum(p.numel() for p in model.parameters())
     assert state_bytes(model) == (params, 4 * trained, 8 * trained)  # fp32 LoRA adapters, AdamW's two fp32 moments
