@@ -165,7 +165,14 @@ def litgpt_config(name: str, lora: bool = False, **overrides: Any) -> Any:
     import litgpt.lora
 
     base = litgpt.Config.from_name(name)
-    sizes = {"n_layer": 2, "n_embd": HIDDEN, "n_head": 4, "n_query_groups": 4, "head_size": 16, "padded_vocab_size": VOCAB}
+    sizes = {
+        "n_layer": 2,
+        "n_embd": HIDDEN,
+        "n_head": 4,
+        "n_query_groups": 4,
+        "head_size": 16,
+        "padded_vocab_size": VOCAB,
+    }
     if base.mlp_class_name in ("LLaMAMLP", "GemmaMLP"):
         sizes["intermediate_size"] = 2 * HIDDEN
     if not lora:
@@ -215,7 +222,9 @@ def hf_twin(name: str, lora: bool = False, **overrides: Any) -> nn.Module:
     if not lora:
         return model
     targets = sorted({name.rpartition(".")[2] for name, m in model.named_modules() if isinstance(m, nn.Linear)})
-    return globals()["lora"](model, targets, r=config.lora_r, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout)
+    return globals()["lora"](
+        model, targets, r=config.lora_r, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout
+    )
 
 
 def _litgpt(name: str) -> Family:

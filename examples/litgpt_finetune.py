@@ -31,7 +31,9 @@ except ImportError:
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
+    )
     parser.add_argument("--model", default="Llama-2-7b-hf", help="a litgpt.Config name (its architecture)")
     parser.add_argument("--n-layer", type=int, default=4)
     parser.add_argument("--n-embd", type=int, default=256)
@@ -69,7 +71,9 @@ def strategy(args: argparse.Namespace):
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
     args = parse(argv)
-    fabric = L.Fabric(accelerator=args.accelerator, devices=args.devices, strategy=strategy(args), precision=args.precision)
+    fabric = L.Fabric(
+        accelerator=args.accelerator, devices=args.devices, strategy=strategy(args), precision=args.precision
+    )
     fabric.launch()
     fabric.seed_everything(1337)
     real = litgpt.Config.from_name(args.model)
@@ -94,7 +98,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         fabric.print(report)
         reduction = report.reduction
     model = fabric.setup(model)
-    optimizer = fabric.setup_optimizers(torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr))
+    optimizer = fabric.setup_optimizers(
+        torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr)
+    )
     loader = fabric.setup_dataloaders(DataLoader(windows, batch_size=args.batch_size, shuffle=True, drop_last=True))
 
     losses, started = [], time.perf_counter()

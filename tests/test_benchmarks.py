@@ -19,6 +19,7 @@ SMOKE = {
     "qlora.py": ["--smoke"],
     "surgery.py": ["--smoke"],
     "dropout.py": ["--smoke"],
+    "litgpt_vs_hf.py": ["--smoke"],
     "cross_entropy.py": ["--smoke"],
 }
 

@@ -144,7 +144,7 @@ def test_the_litgpt_fabric_example_runs_under_fsdp2_in_two_processes():
     script = Path(__file__).resolve().parents[1] / "examples" / "litgpt_finetune.py"
     done = subprocess.run(
         [sys.executable, str(script), *SMOKE, "--devices", "2", "--strategy", "fsdp2", "--model", "pythia-160m"],
-        capture_output=True, text=True, timeout=300,
+        check=False, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     assert "less activation memory than stock" in done.stdout, done.stdout[-3000:]

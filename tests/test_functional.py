@@ -70,7 +70,11 @@ def test_every_form_is_rewritten_and_computes_the_stock_outputs(form):
     model, x = copy.deepcopy(stock), torch.randn(3, 5, WIDTH)
     report = apply_lowmem(model, example_input=x)
     entry = next(e for e in report.entries if e.name == "0")
-    assert (entry.kind, entry.status, entry.was) == ("gated MLP" if form in GATED else "activation", "converted", "Forms")
+    assert (entry.kind, entry.status, entry.was) == (
+        "gated MLP" if form in GATED else "activation",
+        "converted",
+        "Forms",
+    )
     assert "test_functional.py:" in entry.detail  # the call site
     assert rewritten_forward_of(model[0]) is not None and type(model[0]) is Forms  # its class and children kept
     exact = 0.0 if "sigmoid" not in form else 1e-6  # F.silu rounds once where x * sigmoid(x) rounds twice
@@ -153,7 +157,7 @@ def test_a_torchtitan_llama_saves_what_hugging_face_llama_saves():
     model = copy.deepcopy(stock)
     ours = apply_lowmem(model, example_input=x, activation=False)
     theirs = apply_lowmem(zoo.llama(num_key_value_heads=4), example_input={"input_ids": x, "use_cache": False})
-    kinds = lambda report: sorted(e.kind for e in report.converted if e.kind != "head")  # noqa: E731
+    kinds = lambda report: sorted(e.kind for e in report.converted if e.kind != "head")
     assert kinds(ours) == kinds(theirs) == ["gated MLP"] * 2 + ["norm"] * 5
     assert abs(ours.reduction - theirs.reduction) < 0.01, (ours.reduction, theirs.reduction)
     torch.testing.assert_close(model(x), stock(x), rtol=1e-5, atol=1e-5)

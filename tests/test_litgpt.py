@@ -15,8 +15,7 @@ from benchmarks import zoo
 from lightning_lowmem import apply_lowmem, kernels
 from lightning_lowmem.nn.litgpt import LoRAForward, attention_layout_of, lora_forward_of
 
-litgpt = pytest.importorskip("litgpt")
-import litgpt.lora  # noqa: E402
+lora = pytest.importorskip("litgpt.lora")
 
 ARCHITECTURES = list(zoo.LITGPT_TWINS)
 CPU = torch.device("cpu")
@@ -99,7 +98,9 @@ def test_a_folded_lora_dropout_computes_lora_on_the_regenerated_mask(layer):
     report = apply_lowmem(model, example_input=x)
     ours, theirs = (m.transformer.h[0].get_submodule(layer) for m in (model, stock))
     assert isinstance(ours.lora_dropout, nn.Identity) and lora_forward_of(ours).dropout == 0.1
-    assert "folded into lora_A (p=0.1)" in next(e.detail for e in report.entries if e.name.endswith(f"{layer}.lora_dropout"))
+    assert "folded into lora_A (p=0.1)" in next(
+        e.detail for e in report.entries if e.name.endswith(f"{layer}.lora_dropout")
+    )
     h = torch.randn(2, 16, ours.linear.in_features, requires_grad=True)
     torch.manual_seed(11)
     out = ours.train()(h)
@@ -128,8 +129,8 @@ def test_partial_qkv_adapters_and_merged_weights_compute_as_stock():
     model = copy.deepcopy(stock)
     apply_lowmem(model, example_input=x)
     torch.testing.assert_close(model.eval()(x), stock.eval()(x), rtol=1e-5, atol=1e-5)
-    litgpt.lora.merge_lora_weights(model)
-    litgpt.lora.merge_lora_weights(stock)
+    lora.merge_lora_weights(model)
+    lora.merge_lora_weights(stock)
     assert model.transformer.h[0].attn.qkv.merged
     torch.testing.assert_close(model(x), stock(x), rtol=1e-5, atol=1e-5)
 

@@ -31,8 +31,8 @@ from lightning_lowmem.memory import MIB
 from lightning_lowmem.nn import LowMemLinear
 from lightning_lowmem.nn.linear import share_functional_linears
 from lightning_lowmem.nn.peft import redundant_input_casts
-from lightning_lowmem.surgery.bitsandbytes import keep_4bit_layers_trainable
 from lightning_lowmem.nn.rewritten import rewritten_forward_of
+from lightning_lowmem.surgery.bitsandbytes import keep_4bit_layers_trainable
 from lightning_lowmem.surgery.budget import GIB, TrainingMemory, fit_budget, fit_lengths, sequence_length, with_length
 from lightning_lowmem.surgery.convert import Surgery
 from lightning_lowmem.surgery.deferred import convert_at_first_forward

@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import operator
 import re
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
-import torch.fx as fx
 import torch.nn.functional as F
-from torch import nn
+from torch import fx, nn
 
 from lightning_lowmem.nn.gated import gated_product
 from lightning_lowmem.nn.rewritten import RewrittenForward
@@ -40,7 +39,9 @@ _NAMES = frozenset({function.__name__ for function in FUNCTIONS} | {"sigmoid"})
 def calls_activation_functions(module: nn.Module) -> bool:
     """Whether ``module``'s forward names an activation function (a cheap test before tracing it)."""
     code = getattr(type(module).forward, "__code__", None)
-    return code is not None and not _NAMES.isdisjoint(code.co_names) and not type(module).__module__.startswith("torch.")
+    return (
+        code is not None and not _NAMES.isdisjoint(code.co_names) and not type(module).__module__.startswith("torch.")
+    )
 
 
 class _OneLevel(fx.Tracer):
@@ -170,7 +171,9 @@ def _check(module: nn.Module, graph: fx.Graph, function: object) -> None:
     width = _in_features(module.get_submodule(reader.target)) if reader is not None else None
     parameter = next((p for p in module.parameters() if p.is_floating_point()), None)
     if width is None or parameter is None:
-        raise NotConvertible("calls activations as functions, but no linear layer or norm reads its input to check it on")
+        raise NotConvertible(
+            "calls activations as functions, but no linear layer or norm reads its input to check it on"
+        )
     x = torch.randn(2, 3, width, dtype=parameter.dtype, device=parameter.device)
     tolerance = 1e-4 if parameter.dtype in (torch.float32, torch.float64) else 1e-2
     try:

@@ -17,13 +17,14 @@ from lightning_lowmem.nn import (
     LowMemTransposedLinear,
     MemorySharingNorm,
     SeededDropout,
+    litgpt,
 )
-from lightning_lowmem.nn import litgpt
 from lightning_lowmem.nn.causal_lm import fused_loss_of
 from lightning_lowmem.nn.peft import lora_dropouts, uses_dora
 from lightning_lowmem.nn.rewritten import RewrittenForward, rewritten_forward_of
 from lightning_lowmem.registry.dropouts import is_elementwise_dropout
 from lightning_lowmem.registry.heads import names_causal_lm
+from lightning_lowmem.surgery.functional import calls_activation_functions, rewrite
 from lightning_lowmem.surgery.identify import (
     LinearKind,
     LinearLayers,
@@ -39,7 +40,6 @@ from lightning_lowmem.surgery.identify import (
     norm_spec,
     unnamed_activation,
 )
-from lightning_lowmem.surgery.functional import calls_activation_functions, rewrite
 from lightning_lowmem.surgery.options import Options
 from lightning_lowmem.surgery.report import Entry, EntryKind
 
@@ -194,7 +194,9 @@ def _nominate_functional(model: nn.Module, options: Options, found: Candidates) 
         try:
             rewritten = rewrite(module, options.gated, options.bits if options.activation else None)
         except NotConvertible as err:
-            found.entries[f"{name}:functional"] = Entry(name, "functional", type(module).__name__, "left alone", str(err))
+            found.entries[f"{name}:functional"] = Entry(
+                name, "functional", type(module).__name__, "left alone", str(err)
+            )
             continue
         if rewritten is not None:
             found.rewritten[name] = rewritten

@@ -60,7 +60,9 @@ class LowMemReport:
             f"rolled back: the converted model saved {self.saved_bytes_after / MIB:.2f} MiB for backward, more "
             f"than the stock model's {self.saved_bytes_before / MIB:.2f} MiB"
         )
-        self.entries = [replace(e, status="left alone", detail=why) if e.status == "converted" else e for e in self.entries]
+        self.entries = [
+            replace(e, status="left alone", detail=why) if e.status == "converted" else e for e in self.entries
+        ]
         self.linears, self.saved_bytes_after = 0, self.saved_bytes_before
         self.weight_copy_bytes_after, self.saved_by_module_after = self.weight_copy_bytes_before, {}
         self.notes.append(why)
