@@ -80,7 +80,9 @@ def test_every_family_keeps_its_own_loss(family):
         assert stock.config.final_logit_softcapping
     model = copy.deepcopy(stock)
     inputs = batch(zoo.VOCAB)
-    report = apply_lowmem(model, example_input=inputs, activation=False, norm=False, gated=False)
+    # unmeasured: at the zoo's vocabulary of 128 (2x its hidden size) the fused head alone saves no less than
+    # stock's logits, which the never-worse rule would roll back; the loss's semantics are what is tested here
+    report = apply_lowmem(model, example_input=inputs, activation=False, norm=False, gated=False, measure=False)
     assert [e.status for e in report.entries if e.kind == "head"] == ["converted"] and fused_loss_of(model)
     assert_same_step(step(stock, inputs), step(model, inputs))
 
