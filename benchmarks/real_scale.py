@@ -25,10 +25,12 @@ import argparse
 import contextlib
 import gc
 import logging
+import multiprocessing
 import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -362,11 +364,11 @@ PAPER_LENGTHS = {  # the paper's appendix table: apply_lowmem options (None: sto
 PAPER_BUDGET_GIB = 24.0
 
 
-def qlora_as_the_paper(directory: str, layers: int) -> nn.Module:
+def qlora_as_the_paper(directory: str, layers: int, attention: str) -> nn.Module:
     """LLaMA-7B dims in QLoRA's own setting (its repository's ``qlora.py``, which the paper ran): nf4 with double
     quantization, bf16 compute, LoRA r=64 alpha 16 dropout 0.1 on all linears, adapters, embedding and head in
-    bf16 (norms fp32), and the eager attention of the transformers of its time (no SDPA in LLaMA before 4.36)."""
-    model = build(CONFIGS["LLaMA-2-7B"], layers, "qlora", directory, attention="eager")
+    bf16 (norms fp32); ``attention`` "eager" as in the transformers of its time (no SDPA in LLaMA before 4.36)."""
+    model = build(CONFIGS["LLaMA-2-7B"], layers, "qlora", directory, attention=attention)
     for name, module in model.named_modules():
         if name.rpartition(".")[2] in ("lora_A", "lora_B", "lm_head", "embed_tokens"):
             module.to(torch.bfloat16)
@@ -381,13 +383,13 @@ def extrapolate(one: TrainingMemory, two: TrainingMemory, layers: int) -> Traini
     })  # fmt: skip
 
 
-def paper_lengths(tokens: int) -> str:
+def paper_lengths(tokens: int, attention: str) -> str:
     """The paper's max-length table predicted by :func:`lightning_lowmem.training_memory`, at full depth."""
     config = CONFIGS["LLaMA-2-7B"]
     memories: dict[str, list[TrainingMemory]] = {name: [] for name in PAPER_LENGTHS}
     for layers in (1, 2):
         with tempfile.TemporaryDirectory() as directory:
-            model = qlora_as_the_paper(directory, layers)
+            model = qlora_as_the_paper(directory, layers, attention)
         x, _ = example(config, tokens)
         for name, (options, _) in PAPER_LENGTHS.items():
             with bf16():
@@ -409,7 +411,7 @@ def paper_lengths(tokens: int) -> str:
         ])  # fmt: skip
         print(f"  {name}: {memory.summary(length)}", flush=True)
     header = [
-        "LLaMA-7B, QLoRA r=64 all linears, batch 1", "paper's max length (24 GB RTX 4090)",
+        f"LLaMA-7B, QLoRA r=64 all linears, batch 1, {attention} attention", "paper's max length (24 GB RTX 4090)",
         f"predicted max length ({PAPER_BUDGET_GIB:g} GiB)", "prediction vs paper", "predicted GiB at the paper's length",
         "activations per token (at length T)",
     ]  # fmt: skip
@@ -424,8 +426,9 @@ PAPER_SECTION = (
     "trying lengths) against `lightning_lowmem.training_memory` at full depth: weights (nf4 with double "
     "quantization; embedding and head bf16), gradients and paged AdamW 32-bit state (8 B) of the bf16 LoRA "
     "adapters, and the activations one training forward saves for backward, measured at 256 and 513 tokens on 1- "
-    "and 2-layer models at LLaMA-7B's dims and extrapolated to 32 layers; QLoRA's own setting (`lora_dropout` 0.1, "
-    "eager attention as in the transformers of the time: its fp32 softmax is the quadratic term). The memory model "
+    "and 2-layer models at LLaMA-7B's dims and extrapolated to 32 layers; QLoRA's own setting (`lora_dropout` 0.1), "
+    "with the eager attention of the transformers of the time (its fp32 softmax is the quadratic term) and with "
+    "SDPA (today's default). The memory model "
     "counts no CUDA context, workspace, fragmentation or backward transients (the logits' gradient, one layer's "
     "attention-score gradient): it predicts an upper bound of the length.\n\n"
 )
@@ -441,6 +444,11 @@ HEADER = [
 ]
 
 
+def quiet() -> None:
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, 3-layer check, no RESULTS.md update")
@@ -453,8 +461,7 @@ def main() -> None:
     parser.add_argument("--paper", action="store_true", help="the paper's LLaMA-7B QLoRA max-length table, predicted")
     parser.add_argument("--check", action="store_true", help="also measure 3 layers against the extrapolation")
     args = parser.parse_args()
-    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
-    logging.getLogger("transformers").setLevel(logging.ERROR)
+    quiet()
     if args.smoke:
         CONFIGS.update(SMOKE)
         args.models, args.recipes, args.tokens, args.check = list(SMOKE), ["lora"], 16, True
@@ -464,14 +471,20 @@ def main() -> None:
         lengths(names)
         return
     if args.paper:
-        table = paper_lengths(args.tokens)
-        write_section("real_scale_paper", PAPER_SECTION + table, "python benchmarks/real_scale.py --paper")
+        tables = "\n\n".join(paper_lengths(args.tokens, attention) for attention in ("eager", "sdpa"))
+        write_section("real_scale_paper", PAPER_SECTION + tables, "python benchmarks/real_scale.py --paper")
         return
     rows = []
     start = time.perf_counter()
+    # each model in a process of its own: glibc keeps the freed heap of the last 8B model (23 GB RSS by Mistral)
+    context = multiprocessing.get_context("spawn")
     for name in names:
         chosen = [r for r in recipes if r != "qlora" or args.recipes or args.smoke or name in QLORA_MODELS]
-        rows += measure(CONFIGS[name], chosen, args.tokens, args.verify, args.check)
+        if args.smoke:  # the smoke test runs in-process
+            rows += measure(CONFIGS[name], chosen, args.tokens, args.verify, args.check)
+            continue
+        with ProcessPoolExecutor(1, mp_context=context, initializer=quiet) as pool:
+            rows += pool.submit(measure, CONFIGS[name], chosen, args.tokens, args.verify, args.check).result()
     rows.sort(key=lambda row: [recipe[0] for recipe in RECIPES.values()].index(row[1]))
     table = markdown_table(HEADER, rows)
     print(table)
