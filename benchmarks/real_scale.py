@@ -364,10 +364,11 @@ PAPER_LENGTHS = {  # the paper's appendix table: apply_lowmem options (None: sto
 PAPER_BUDGET_GIB = 24.0
 
 
-def qlora_as_the_paper(directory: str, layers: int, attention: str) -> nn.Module:
+def qlora_as_the_paper(directory: str, layers: int, attention: str, dropout: float) -> nn.Module:
     """LLaMA-7B dims in QLoRA's own setting (its repository's ``qlora.py``, which the paper ran): nf4 with double
-    quantization, bf16 compute, LoRA r=64 alpha 16 dropout 0.1 on all linears, adapters, embedding and head in
+    quantization, bf16 compute, LoRA r=64 alpha 16 (``dropout``: 0.1 in its 7B scripts) on all linears, adapters, embedding and head in
     bf16 (norms fp32); ``attention`` "eager" as in the transformers of its time (no SDPA in LLaMA before 4.36)."""
+    RECIPES["qlora"][1]["lora_dropout"] = dropout
     model = build(CONFIGS["LLaMA-2-7B"], layers, "qlora", directory, attention=attention)
     for name, module in model.named_modules():
         if name.rpartition(".")[2] in ("lora_A", "lora_B", "lm_head", "embed_tokens"):
@@ -383,13 +384,13 @@ def extrapolate(one: TrainingMemory, two: TrainingMemory, layers: int) -> Traini
     })  # fmt: skip
 
 
-def paper_lengths(tokens: int, attention: str) -> str:
+def paper_lengths(tokens: int, attention: str, dropout: float = 0.1) -> str:
     """The paper's max-length table predicted by :func:`lightning_lowmem.training_memory`, at full depth."""
     config = CONFIGS["LLaMA-2-7B"]
     memories: dict[str, list[TrainingMemory]] = {name: [] for name in PAPER_LENGTHS}
     for layers in (1, 2):
         with tempfile.TemporaryDirectory() as directory:
-            model = qlora_as_the_paper(directory, layers, attention)
+            model = qlora_as_the_paper(directory, layers, attention, dropout)
         x, _ = example(config, tokens)
         for name, (options, _) in PAPER_LENGTHS.items():
             with bf16():
@@ -411,7 +412,7 @@ def paper_lengths(tokens: int, attention: str) -> str:
         ])  # fmt: skip
         print(f"  {name}: {memory.summary(length)}", flush=True)
     header = [
-        f"LLaMA-7B, QLoRA r=64 all linears, batch 1, {attention} attention", "paper's max length (24 GB RTX 4090)",
+        f"LLaMA-7B, QLoRA r=64 all linears, `lora_dropout` {dropout:g}, batch 1, {attention} attention", "paper's max length (24 GB RTX 4090)",
         f"predicted max length ({PAPER_BUDGET_GIB:g} GiB)", "prediction vs paper", "predicted GiB at the paper's length",
         "activations per token (at length T)",
     ]  # fmt: skip
@@ -426,7 +427,9 @@ PAPER_SECTION = (
     "trying lengths) against `lightning_lowmem.training_memory` at full depth: weights (nf4 with double "
     "quantization; embedding and head bf16), gradients and paged AdamW 32-bit state (8 B) of the bf16 LoRA "
     "adapters, and the activations one training forward saves for backward, measured at 256 and 513 tokens on 1- "
-    "and 2-layer models at LLaMA-7B's dims and extrapolated to 32 layers; QLoRA's own setting (`lora_dropout` 0.1), "
+    "and 2-layer models at LLaMA-7B's dims and extrapolated to 32 layers; QLoRA's own setting (its 7B scripts' "
+    "`lora_dropout` 0.1 unless the table says otherwise; on CPU stock dropout keeps fp32 masks, 4 B per element where "
+    "CUDA keeps 1, which overstates stock's and the paper variant's bytes against a GPU), "
     "with the eager attention of the transformers of the time (its fp32 softmax is the quadratic term) and with "
     "SDPA (today's default). The memory model "
     "counts no CUDA context, workspace, fragmentation or backward transients (the logits' gradient, one layer's "
@@ -459,6 +462,7 @@ def main() -> None:
     parser.add_argument("--lengths", action="store_true", help="per-token bytes at 128/256/512 tokens, then exit")
     parser.add_argument("--verify", action="store_true", help="also check every conversion's outputs (slower)")
     parser.add_argument("--paper", action="store_true", help="the paper's LLaMA-7B QLoRA max-length table, predicted")
+    parser.add_argument("--paper-dropout", type=float, default=0.1, help="lora_dropout of --paper (QLoRA's 7B: 0.1)")
     parser.add_argument("--check", action="store_true", help="also measure 3 layers against the extrapolation")
     args = parser.parse_args()
     quiet()
@@ -471,8 +475,11 @@ def main() -> None:
         lengths(names)
         return
     if args.paper:
-        tables = "\n\n".join(paper_lengths(args.tokens, attention) for attention in ("eager", "sdpa"))
-        write_section("real_scale_paper", PAPER_SECTION + tables, "python benchmarks/real_scale.py --paper")
+        tables = "\n\n".join(paper_lengths(args.tokens, a, args.paper_dropout) for a in ("eager", "sdpa"))
+        command = "python benchmarks/real_scale.py --paper" + (
+            f" --paper-dropout {args.paper_dropout:g}" if args.paper_dropout != 0.1 else ""
+        )
+        write_section("real_scale_paper", PAPER_SECTION + tables, command)
         return
     rows = []
     start = time.perf_counter()
