@@ -134,16 +134,17 @@ def test_the_litgpt_fabric_example_fine_tunes_with_less_memory(capsys):
     assert "less activation memory than stock" in out and "gated MLP" in out
 
 
-def test_the_litgpt_fabric_example_runs_under_fsdp2_in_two_processes():
-    """Fabric's ``ModelParallelStrategy`` (FSDP2, gloo on CPU) shards the converted model; Fabric launches its
-    processes by re-running the script, so it runs as one."""
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_the_litgpt_fabric_example_runs_in_two_processes(strategy):
+    """DDP, and Fabric's ``ModelParallelStrategy`` (FSDP2; gloo on CPU) sharding the converted model; Fabric
+    launches its processes by re-running the script, so it runs as one."""
     pytest.importorskip("litgpt")
     import subprocess
     import sys
 
     script = Path(__file__).resolve().parents[1] / "examples" / "litgpt_finetune.py"
     done = subprocess.run(
-        [sys.executable, str(script), *SMOKE, "--devices", "2", "--strategy", "fsdp2", "--model", "pythia-160m"],
+        [sys.executable, str(script), *SMOKE, "--devices", "2", "--strategy", strategy, "--model", "pythia-160m"],
         check=False, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
