@@ -67,6 +67,7 @@ class Candidates:
     dropouts: dict[str, float] = field(default_factory=dict)  # model dropouts -> p
     heads: list[str] = field(default_factory=list)  # causal LMs whose loss the fused head computes
     rewritten: dict[str, RewrittenForward] = field(default_factory=dict)  # forwards calling activation functions
+    unrewritten: dict[str, str] = field(default_factory=dict)  # -> why its forward could not be rewritten
     litgpt_lora: dict[str, float] = field(default_factory=dict)  # LitGPT LoRA layers -> their dropout, folded
     litgpt_attention: list[str] = field(default_factory=list)  # LitGPT attentions whose SDPA inputs are laid out
     folded: dict[str, tuple[str, float]] = field(default_factory=dict)  # dropouts -> (the linear taking them in, p)
@@ -178,7 +179,9 @@ def _nominate_gated(model: nn.Module, options: Options, found: Candidates) -> se
 
 
 def _nominate_functional(model: nn.Module, options: Options, found: Candidates) -> None:
-    """Modules whose forward calls activations as functions, with that forward rewritten (:mod:`.functional`)."""
+    """Modules whose forward calls activations as functions, with that forward rewritten (:mod:`.functional`);
+    why the others' could not be (reported where the probe sees them call one: naming ``sigmoid`` proves no
+    call)."""
     for name, module in model.named_modules():
         if name in found.gated or not options.selected(name) or not calls_activation_functions(module):
             continue
@@ -187,16 +190,12 @@ def _nominate_functional(model: nn.Module, options: Options, found: Candidates) 
         if rewritten_forward_of(module) is not None:
             continue  # the main walk reports it as already converted
         if not is_plain(module):
-            found.entries[f"{name}:functional"] = Entry(
-                name, "functional", type(module).__name__, "left alone", "has hooks or a patched forward"
-            )
+            found.unrewritten[name] = "has hooks or a patched forward (a rewritten forward would skip them)"
             continue
         try:
             rewritten = rewrite(module, options.gated, options.bits if options.activation else None)
         except NotConvertible as err:
-            found.entries[f"{name}:functional"] = Entry(
-                name, "functional", type(module).__name__, "left alone", str(err)
-            )
+            found.unrewritten[name] = str(err)
             continue
         if rewritten is not None:
             found.rewritten[name] = rewritten

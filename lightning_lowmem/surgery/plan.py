@@ -24,6 +24,7 @@ from lightning_lowmem.nn.litgpt import AttentionLayout, LoRAForward
 from lightning_lowmem.registry.activations import ACTIVATIONS
 from lightning_lowmem.registry.norms import NORMS
 from lightning_lowmem.surgery.bitsandbytes import is_frozen_4bit_linear
+from lightning_lowmem.surgery.functional import FUNCTIONS
 from lightning_lowmem.surgery.identify import LinearKind, NormSpec, is_plain
 from lightning_lowmem.surgery.nominate import LOW_MEMORY_LINEARS, Candidates
 from lightning_lowmem.surgery.options import Options
@@ -179,10 +180,12 @@ def make_plan(model: nn.Module, found: Candidates, flow: Flow, options: Options)
         plan.methods.update({(named[name], "forward"): fused, (fused.head, "forward"): fused.head_forward})
         plan.entries.append(Entry(name, "head", type(named[name]).__name__, "converted", _HEAD_DETAIL))
     for where, ops in flow.functional.items():
-        if f"{where}:functional" in found.entries or where in found.rewritten:
-            continue  # reported by the nominate stage
+        if where in found.rewritten:
+            continue
         was = "F." + "/F.".join(sorted(ops))
-        plan.entries.append(Entry(where, "functional", was, "left alone", "called as a function, not a module"))
+        activation = not ops.isdisjoint(f.__name__ for f in FUNCTIONS)
+        why = found.unrewritten.get(where) if activation else None
+        plan.entries.append(Entry(where, "functional", was, "left alone", why or "called as a function, not a module"))
     order = {name: i for i, name in enumerate(named)}
     plan.entries.sort(key=lambda e: (order.get(e.name, len(order)), e.kind))
     return plan
