@@ -115,9 +115,7 @@ def _operand(node: fx.Node) -> str:
     return str(node.target) if node.op == "call_module" else node.name
 
 
-def _rewrite_call(
-    graph: fx.Graph, module: nn.Module, call: _Call, gated: bool, bits: int | None, erased: set[fx.Node]
-) -> str | None:
+def _rewrite_call(graph: fx.Graph, call: _Call, gated: bool, bits: int | None, erased: set[fx.Node]) -> str | None:
     """Replace ``call`` (fused with its product when ``gated``; alone when ``bits`` is set), adding the nodes it
     removes to ``erased``; what changed, or None."""
     product = _product_with(call) if gated and call.entry.gated else None
@@ -199,7 +197,7 @@ def rewrite(module: nn.Module, gated: bool, bits: int | None) -> RewrittenForwar
     sites, erased = [], set()
     for node in list(graph.nodes):
         call = _activation_call(node) if node not in erased else None
-        site = _rewrite_call(graph, module, call, gated, bits, erased) if call is not None else None
+        site = _rewrite_call(graph, call, gated, bits, erased) if call is not None else None
         if site is not None:
             sites.append(site)
     if not sites:
