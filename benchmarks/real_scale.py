@@ -93,9 +93,8 @@ CONFIGS = {
 SMOKE = {"tiny LLaMA": Config("tiny LLaMA", "Llama", 64, 172, 4, 2, 4, 128)}  # for the test that the script runs
 QUICK = ["Qwen2.5-0.5B", "LLaMA-2-7B", "ViT-B/16 (224 px)"]
 QUICK_RECIPES = ["lora"]
-# QLoRA builds through a checkpoint on disk (transformers quantizes on load): by default only the paper's LLaMA and
-# the two small models; ``--recipes qlora --models ...`` measures any other
-QLORA_MODELS = ["LLaMA-2-7B", "Llama-3.2-1B", "Qwen2.5-0.5B"]
+# QLoRA builds through a checkpoint on disk (transformers quantizes on load): the causal LMs, which people QLoRA
+QLORA_MODELS = [name for name, config in CONFIGS.items() if config.family not in ("vit", "bert")]
 
 RECIPES = {  # name -> (description, LoRA config or None for full fine-tuning, quantized base?)
     "full": ("full fine-tuning, bf16", None, False),
@@ -172,7 +171,7 @@ def build(
         )  # fmt: skip
         model = transformers.AutoModelForCausalLM.from_pretrained(
             directory, quantization_config=quantization, device_map="cpu", dtype=torch.bfloat16,
-            attn_implementation=attention,
+            attn_implementation="eager" if config.family == "Gemma2" else attention,  # Gemma 2: no SDPA (soft-caps)
         )  # fmt: skip
         model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     else:
