@@ -57,6 +57,7 @@ class LoRAForward:
     def __init__(self, layer: nn.Module, norm: MemorySharingNorm | None, dropout: float = 0.0) -> None:
         self.layer, self.norm = layer, norm
         self.dropout = check_probability("LoRAForward", dropout)
+        self.per_qkv = hasattr(layer, "zero_pad")  # LoRAQKVLinear: B per enabled q / k / v, zero-padded
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         layer = self.layer
@@ -65,7 +66,7 @@ class LoRAForward:
             return pretrained
         dropped = x if self.dropout else layer.lora_dropout(x)
         after_a = shared_linear(dropped, layer.lora_A, None, self.norm, self.dropout if layer.training else 0.0)
-        if hasattr(layer, "zero_pad"):  # LoRAQKVLinear: B per enabled q / k / v, zero-padded to the full width
+        if self.per_qkv:
             after_b = layer.conv1d(after_a.transpose(-2, -1), layer.lora_B.unsqueeze(-1)).transpose(-2, -1)
             return pretrained + layer.zero_pad(after_b) * layer.scaling
         return pretrained + (after_a @ layer.lora_B.transpose(0, 1)) * layer.scaling

@@ -122,17 +122,12 @@ def max_batch_size(model: nn.Module, example_input: Any, budget_mib: float, **op
         {options}
     """
     budget_bytes = round(budget_mib * MIB)
-    parsed = Options.parse(options, "max_batch_size").check_patterns(model)
-    quiet = Options(**{**parsed.as_dict(), "verify": False, "measure": False})
-    surgery = run(LowMemReport(), model, quiet, example_input)
-    try:
+    with _converted(model, example_input, options, "max_batch_size", lowmem=True):
         meter = measure_saved(model, example_input)
         per_row = max(meter.activation_bytes / batch_size(example_input, "max_batch_size"), 1.0)
         size = int((budget_bytes - meter.weight_copy_bytes) // per_row)
         while size >= 1 and measure_saved(model, with_batch_size(example_input, size)).total_bytes > budget_bytes:
             size -= 1
-    finally:
-        surgery.rollback()
     if size < 1:
         raise ValueError(f"max_batch_size: not even one example fits {budget_mib:g} MiB of activations")
     return size
