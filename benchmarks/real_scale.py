@@ -44,11 +44,12 @@ from benchmarks.common import markdown_table, write_section
 from lightning_lowmem import TrainingMemory, training_memory
 from lightning_lowmem.memory import SavedTensorMeter
 from lightning_lowmem.surgery.apply import run
-from lightning_lowmem.surgery.budget import GIB, checkpoint_block, find_blocks
+from lightning_lowmem.surgery.budget import checkpoint_block, find_blocks
 from lightning_lowmem.surgery.convert import Surgery
 from lightning_lowmem.surgery.measure import measure_saved
 from lightning_lowmem.surgery.options import Options
 from lightning_lowmem.surgery.report import LowMemReport
+from lightning_lowmem.surgery.training_memory import GIB
 
 KIB, MIB = 1024.0, float(1 << 20)
 

@@ -10,7 +10,7 @@ from lightning_lowmem.lightning import LowMemBP, LowMemFSDPPrecision, LowMemPrec
 from lightning_lowmem.registry import register_activation, register_norm
 from lightning_lowmem.surgery import LowMemReport, Options, apply_lowmem, max_batch_size, plan
 from lightning_lowmem.surgery.apply import max_sequence_length, training_memory
-from lightning_lowmem.surgery.budget import TrainingMemory
+from lightning_lowmem.surgery.training_memory import TrainingMemory
 
 __version__ = "0.1.0"
 

@@ -13,7 +13,7 @@ from torch import nn
 
 from benchmarks import zoo
 from lightning_lowmem import apply_lowmem, kernels
-from lightning_lowmem.nn.litgpt import LoRAForward, attention_layout_of, lora_forward_of
+from lightning_lowmem.nn.adapters.litgpt import LoRAForward, attention_layout_of, lora_forward_of
 
 lora = pytest.importorskip("litgpt.lora")
 

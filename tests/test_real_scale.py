@@ -15,7 +15,7 @@ from torch import nn
 from benchmarks import zoo
 from lightning_lowmem import TrainingMemory, apply_lowmem, max_sequence_length, training_memory
 from lightning_lowmem.memory import SavedTensorMeter
-from lightning_lowmem.surgery.budget import GIB, state_bytes, with_length
+from lightning_lowmem.surgery.training_memory import GIB, state_bytes, with_length
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("peft")

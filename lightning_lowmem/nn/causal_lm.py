@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_lowmem.nn.peft import active_adapters, is_lora_layer
+from lightning_lowmem.nn.adapters import adapter_of
 from lightning_lowmem.ops.cross_entropy import linear_cross_entropy
 
 
@@ -48,18 +48,12 @@ def causal_lm_loss(
 
 
 def head_operands(head: nn.Module, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, Any]:
-    """The ``head``'s weight and bias as :func:`linear_cross_entropy` takes them and, for a peft LoRA-adapted
-    head, its adapter's term ``(scaling * lora_A(dropout(hidden)), lora_B.weight)``, computed as peft computes it."""
-    if not is_lora_layer(head):
+    """The ``head``'s weight and bias as :func:`linear_cross_entropy` takes them and, for a LoRA-adapted head, its
+    adapter's term ``(scaling * lora_A(dropout(hidden)), lora_B.weight)`` (its library's adapter computes it)."""
+    adapter = adapter_of(head)
+    if adapter is None:
         return head.weight, getattr(head, "bias", None), None
-    base, active = head.base_layer, active_adapters(head)
-    if len(active) > 1:
-        raise RuntimeError(f"the fused loss takes one LoRA adapter on the head; {active} are active")
-    if not active:
-        return base.weight, base.bias, None
-    lora_a = head.lora_A[active[0]]
-    inputs = head.lora_dropout[active[0]](head._cast_input_dtype(hidden, lora_a.weight.dtype))
-    return base.weight, base.bias, (lora_a(inputs) * head.scaling[active[0]], head.lora_B[active[0]].weight)
+    return adapter.head_operands(head, hidden)
 
 
 class FusedLossForward:

@@ -17,8 +17,8 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from lightning_lowmem.nn.adapters import saves_its_input
 from lightning_lowmem.nn.norm import is_norm_output
-from lightning_lowmem.nn.peft import saves_its_input
 from lightning_lowmem.ops.autocast import autocast_dtype
 from lightning_lowmem.ops.gated import MODES, gated_activation
 from lightning_lowmem.registry.activations import get_activation

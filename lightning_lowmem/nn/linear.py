@@ -5,7 +5,7 @@ output it saves the norm's ``z`` instead of the input (:func:`~lightning_lowmem.
 any other input is an ordinary linear call. Under autocast it recasts its weight from the
 parameter in backward instead of saving a half-precision copy. Outside autocast it casts an
 input of another dtype to its weight's, as a peft LoRA layer's input cast would (surgery turns
-that copy off, see :func:`~lightning_lowmem.nn.peft.redundant_input_casts`), saving a narrower
+that copy off, see :meth:`~lightning_lowmem.nn.adapters.peft.PeftLoRA.after_conversion`), saving a narrower
 input as it is (fp32 adapters on a bf16 model share the bf16 tensor other layers save).
 
 :class:`LowMemLinear` replaces an ``nn.Linear`` (or a subclass that computes the same, such as

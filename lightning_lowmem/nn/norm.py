@@ -45,12 +45,17 @@ def whole_rows(view: torch.Tensor, base: torch.Tensor, row_shape: Sequence[int])
     )
 
 
+def _tagged_base(x: torch.Tensor) -> torch.Tensor | None:
+    """``x`` if it carries a tag, else its base (a view of a tagged output)."""
+    return x if hasattr(x, _TAG) else x._base
+
+
 def shared_from(x: torch.Tensor, norm: MemorySharingNorm) -> torch.Tensor | None:
     """The ``z`` that ``norm`` saved, laid out as ``x``, when ``x`` is that norm's own output or a view of whole
     rows of it, unchanged since (else ``None``: changed in place, it is no longer ``gamma * z + beta``; the
     surgery's probe leaves such a norm alone, this check catches paths the probe did not see, in eager mode:
     under torch.compile a tensor's version is not traceable)."""
-    base = x if hasattr(x, _TAG) else x._base
+    base = _tagged_base(x)
     tag = getattr(base, _TAG, None)
     if tag is None or tag[0] is not norm:
         return None
@@ -67,8 +72,7 @@ def shared_from(x: torch.Tensor, norm: MemorySharingNorm) -> torch.Tensor | None
 def dropout_of(x: torch.Tensor) -> tuple[float, torch.Tensor] | None:
     """``(p, seed)`` of the seeded dropout that made ``x`` (or its base) from a norm's output, else ``None``: a
     consumer saving the norm's ``z`` for ``x`` rebuilds ``x`` from both (:func:`tag_dropped`)."""
-    base = x if hasattr(x, _TAG) else x._base
-    tag = getattr(base, _TAG, None)
+    tag = getattr(_tagged_base(x), _TAG, None)
     return None if tag is None else tag[3]
 
 
@@ -83,6 +87,12 @@ def tag_dropped(y: torch.Tensor, x: torch.Tensor, p: float, seed: torch.Tensor) 
         y = y.view_as(y)
     setattr(y, _TAG, (tag[0], x if tag[1] is None else tag[1], y._version, (p, seed)))
     return y
+
+
+def norm_of_output(x: torch.Tensor) -> MemorySharingNorm | None:
+    """The memory-sharing norm whose output ``x`` (or its base) is, if any."""
+    tag = getattr(_tagged_base(x), _TAG, None)
+    return None if tag is None else tag[0]
 
 
 def is_norm_output(x: torch.Tensor) -> bool:

@@ -134,6 +134,10 @@ REGISTERED: dict[type[nn.Module], str] = {}
 """User classes -> the activation their instances compute (:func:`register_activation`)."""
 
 
+FUNCTIONS = frozenset(function for entry in ACTIVATIONS.values() for function in entry.functions)
+"""Every torch function an activation of the registry may be called as."""
+
+
 def get_activation(name: str, owner: str = "lightning_lowmem", gated: bool = False) -> Activation:
     """The registry entry of ``name`` (a ValueError naming ``owner`` and the choices otherwise)."""
     entry = ACTIVATIONS.get(name) if isinstance(name, str) else None

@@ -9,12 +9,17 @@ linears (:class:`~lightning_lowmem.nn.LowMemLinear`) without renaming any parame
 stay interchangeable with the stock model. Every other ``nn.Linear`` recasts its weight in backward
 instead of saving a half-precision copy under autocast.
 
-The stages (:func:`run`), each in its module: :mod:`.nominate` (candidates from the registries,
-verified one by one) -> :mod:`.probe` (which layers read each norm's output) -> :mod:`.plan` (every
-replacement; nothing changed yet) -> :mod:`.convert` (apply it) -> :mod:`.verify` (outputs as stock's)
--> :mod:`.measure` (saved bytes before and after) -> :mod:`.budget` (checkpoint the fewest blocks);
-any exception after the plan rolls everything back. Without an example input it runs at the model's
-first training forward (:mod:`.deferred`).
+Dropouts save a seed instead of their mask (a LoRA adapter's folds into its first product), LitGPT's
+and hand-written LoRA layers share their input norm's tensor through their adapter, LitGPT's attention
+lays its inputs out to save less, and a Hugging Face causal LM's training loss runs through the fused
+linear + cross-entropy, which never holds the logits.
+
+The stages (:func:`run`): nominate (each family of :mod:`.families` finds and verifies its candidates)
+-> :mod:`.probe` (which layers read each norm's output) -> plan (each family's changes; nothing changed
+yet) -> apply the changes (:mod:`.convert`) -> :mod:`.verify` (outputs as stock's) -> :mod:`.measure`
+(saved bytes before and after) -> :mod:`.budget` (checkpoint the fewest blocks); any exception after
+the plan rolls everything back. Without an example input it runs at the model's first training forward
+(:mod:`.deferred`).
 """
 
 from __future__ import annotations
@@ -28,22 +33,19 @@ from torch import nn
 from torch._dynamo import OptimizedModule
 
 from lightning_lowmem.memory import MIB
-from lightning_lowmem.nn import LowMemLinear
-from lightning_lowmem.nn.linear import share_functional_linears
-from lightning_lowmem.nn.peft import redundant_input_casts
-from lightning_lowmem.nn.rewritten import rewritten_forward_of
-from lightning_lowmem.surgery.bitsandbytes import keep_4bit_layers_trainable
-from lightning_lowmem.surgery.budget import GIB, TrainingMemory, fit_budget, fit_lengths, sequence_length, with_length
+from lightning_lowmem.nn.adapters.bitsandbytes import keep_4bit_layers_trainable
+from lightning_lowmem.surgery.budget import fit_budget
+from lightning_lowmem.surgery.changes import Plan
 from lightning_lowmem.surgery.convert import Surgery
 from lightning_lowmem.surgery.deferred import convert_at_first_forward
 from lightning_lowmem.surgery.example import batch_size, describe, with_batch_size
+from lightning_lowmem.surgery.families import FAMILIES, Candidates
 from lightning_lowmem.surgery.identify import names_activation
 from lightning_lowmem.surgery.measure import measure_saved
-from lightning_lowmem.surgery.nominate import CONVERTED, nominate
 from lightning_lowmem.surgery.options import Options, takes_options
-from lightning_lowmem.surgery.plan import make_plan
-from lightning_lowmem.surgery.probe import probe
+from lightning_lowmem.surgery.probe import Flow, probe
 from lightning_lowmem.surgery.report import LowMemReport
+from lightning_lowmem.surgery.training_memory import GIB, TrainingMemory, fit_lengths, sequence_length, with_length
 from lightning_lowmem.surgery.verify import eval_outputs, verify
 
 
@@ -225,16 +227,47 @@ def max_sequence_length(
     return size
 
 
+def nominate(model: nn.Module, options: Options) -> Candidates:
+    """Every family's verified candidates, in the order of :data:`FAMILIES`; modules an earlier run converted are
+    reported so. Nothing changes."""
+    found = Candidates()
+    for name, module in model.named_modules():
+        family = next((f for f in FAMILIES if f.converted(module)), None)
+        if family is not None:
+            found.already(name, family.kind, module)
+    for family in FAMILIES:
+        family.nominate(model, options, found)
+    return found
+
+
+def trace_norms(model: nn.Module, found: Candidates, example: Any) -> Flow:
+    """The probe stage: every read of each candidate norm's output. Dropouts the surgery converts let the norm's
+    output through; an adapter's dropout that stays is a copy; activation and dropout functions called inside
+    modules the surgery converts or knows are theirs (elsewhere the report names them)."""
+    named = dict(model.named_modules())
+    passing = {named[name] for name in (*found.folded, *found["dropout"])}
+    copying = {named[name] for name in found.adapter_dropouts}
+    converted = {name for name in found.entries if found.already_converted(name)} | set(found["functional"])
+    quiet = {m for name, m in named.items() if name in converted or names_activation(m) or isinstance(m, nn.Dropout)}
+    return probe(model, example, found.norms, quiet, passing, copying)
+
+
+def make_plan(model: nn.Module, found: Candidates, flow: Flow, options: Options) -> Plan:
+    """The plan stage: each family's changes and entries, in the order of :data:`FAMILIES`; the entries in the
+    model's module order. Nothing changes."""
+    plan = Plan(entries=list(found.entries.values()))
+    for family in FAMILIES:
+        family.plan(model, found, flow, options, plan)
+    order = {name: i for i, name in enumerate(dict(model.named_modules()))}
+    plan.entries.sort(key=lambda e: (order.get(e.name, len(order)), e.kind))
+    return plan
+
+
 def run(report: LowMemReport, model: nn.Module, options: Options, example: Any) -> Surgery:
     """The stages, filling ``report``: decide (nothing changed yet), then change, check, measure and fit the
     budget, undoing every change if anything raises. Returns the applied surgery."""
     found = nominate(model, options)
-    named = dict(model.named_modules())
-    modules = (*CONVERTED, nn.Dropout)  # a dropout module's own F.dropout call is no functional one
-    ignored = {m for m in named.values() if names_activation(m) or isinstance(m, modules) or rewritten_forward_of(m)}
-    ignored |= {named[name] for name in found.rewritten}  # their activation calls are converted now
-    shapes = {name: spec.normalized_shape for name, spec in found.norms.items()}
-    flow = probe(model, example, shapes, ignored, {named[name] for name in (*found.folded, *found.dropouts)})
+    flow = trace_norms(model, found, example)
     decided = make_plan(model, found, flow, options)
     has_example = example is not None
     report.entries, report.linears, report.pending = decided.entries, decided.linears, False
@@ -243,16 +276,10 @@ def run(report: LowMemReport, model: nn.Module, options: Options, example: Any) 
         report.record(measure_saved(model, example), converted=False)
     reference = (flow.outputs or eval_outputs(model, example)) if has_example and options.verify else None
 
-    surgery = Surgery(model, decided.replacements.values())
+    surgery = Surgery(model, decided.new_modules())
     try:
-        for old, new in decided.replacements.items():
-            surgery.replace(old, new)
-        for caller in decided.functional_callers:
-            surgery.keep_hooks(share_functional_linears(caller))
-        for (module, method), installed in decided.methods.items():
-            surgery.override(module, method, installed)
-        for layer in list(redundant_input_casts(model, LowMemLinear)):  # LowMemLinear casts its input itself
-            surgery.set(layer, "cast_input_dtype_enabled", False)
+        for change in decided.changes:
+            change.apply(surgery)
         if reference is not None:
             verify(model, example, reference)
         if report.saved_bytes_before is not None:

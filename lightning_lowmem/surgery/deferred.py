@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from lightning_lowmem.surgery.bitsandbytes import keep_4bit_layers_trainable
+from lightning_lowmem.nn.adapters.bitsandbytes import keep_4bit_layers_trainable
 from lightning_lowmem.surgery.example import CallArgs
 from lightning_lowmem.surgery.probe import ExampleInputError
 from lightning_lowmem.surgery.report import LowMemReport

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from lightning_lowmem.surgery.bitsandbytes import repacking_off
+from lightning_lowmem.nn.adapters.bitsandbytes import repacking_off
 
 
 @dataclass(frozen=True)

@@ -20,13 +20,10 @@ from torch import nn
 from torch.func import functional_call
 
 from lightning_lowmem.memory.saved_tensors import OBSERVER
-from lightning_lowmem.nn.causal_lm import fused_loss_of
 from lightning_lowmem.nn.gated import GatedLayout, GatedMLPBase, gated_layouts
-from lightning_lowmem.nn.peft import active_adapters, is_lora_layer, uses_dora
-from lightning_lowmem.registry import activations, heads, norms
+from lightning_lowmem.registry import activations, norms
 from lightning_lowmem.registry.activations import ACTIVATIONS, Activation
 from lightning_lowmem.registry.norms import NORMS, STOCK_LAYOUT, NormKindName, NormLayout
-from lightning_lowmem.surgery import fsdp
 from lightning_lowmem.surgery.example import probe_mode
 
 
@@ -142,6 +139,16 @@ def unnamed_activation(module: nn.Module) -> Activation | None:
         return None
 
 
+def _input_width(layer: nn.Module) -> int | None:
+    """The input features of a linear-like ``layer``: its ``in_features``, else those of its first 2-d floating
+    Parameter, read as ``nn.Linear``'s weight (a hand-written LoRA layer's base weight)."""
+    width = getattr(layer, "in_features", None)
+    if isinstance(width, int):
+        return width
+    weight = next((p for p in layer.parameters() if p.dim() == 2 and p.is_floating_point()), None)
+    return None if weight is None else weight.shape[1]
+
+
 def fused_gated_mlp(stock: nn.Module, layout: GatedLayout, build: type[GatedMLPBase]) -> GatedMLPBase:
     """The verified fused replacement of a stock gated MLP of ``layout``, sharing its children, or
     :class:`NotConvertible`.
@@ -157,12 +164,13 @@ def fused_gated_mlp(stock: nn.Module, layout: GatedLayout, build: type[GatedMLPB
         raise NotConvertible(f"the fused product has no kernel for {activation.label}")
     first = stock._modules[layout.first]
     parameter = next(first.parameters(), None)
-    if parameter is None or not isinstance(getattr(first, "in_features", None), int):
+    width = _input_width(first)
+    if parameter is None or width is None:
         raise NotConvertible("its first projection is not a linear layer")
     new = build.from_stock(stock, activation.name)
     # a quantized projection (bitsandbytes) stores integers: probe in a floating dtype it computes in
     dtype = next((p.dtype for p in first.parameters() if p.is_floating_point()), torch.get_default_dtype())
-    x = torch.randn(2, 3, first.in_features, dtype=dtype, device=parameter.device)
+    x = torch.randn(2, 3, width, dtype=dtype, device=parameter.device)
     try:
         with probe_mode(stock, train=False), torch.autocast(x.device.type, enabled=False):  # not in which precision
             same = torch.allclose(new(x), stock(x), rtol=1e-4, atol=1e-5)
@@ -316,30 +324,3 @@ def _weight_offset(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor | None
         return 0.0
     rest = y - z * weight - (0 if bias is None else bias)
     return round(float((rest * z).sum() / (z * z).sum()), 6)
-
-
-def fusable_head(model: nn.Module) -> nn.Module:
-    """The head of the causal LM ``model`` whose loss the fused linear + cross-entropy can compute, or
-    :class:`NotConvertible`: transformers' standard loss, and a head that is a plain linear layer (a floating 2-d
-    weight of its own or tied to the embedding, an optional bias)."""
-    if not heads.standard_loss(model):
-        raise NotConvertible(f"its loss is not transformers' {heads.STANDARD_LOSS}")
-    head = model.get_output_embeddings()
-    if head is None:
-        raise NotConvertible("it has no output embeddings (head)")
-    layer = head
-    if is_lora_layer(head):
-        if len(active_adapters(head)) > 1 or any(uses_dora(head, adapter) for adapter in head.lora_A):
-            raise NotConvertible("its head has several active LoRA adapters or DoRA (kept stock, with its logits)")
-        if any(b.bias is not None for b in head.lora_B.values()):
-            raise NotConvertible("its head's LoRA adapter has a bias (kept stock, with its logits)")
-        layer = head.base_layer
-    params = dict(layer.named_parameters())
-    weight = params.get("weight")
-    if set(params) - {"weight", "bias"} or weight is None or weight.dim() != 2 or not weight.is_floating_point():
-        raise NotConvertible(f"its head is a {type(layer).__name__}, not a linear layer (kept stock, with its logits)")
-    if any(not fsdp.owns_hook(hook) for hook in foreign_hooks(head)) or (
-        "forward" in head.__dict__ and fused_loss_of(model) is None
-    ):
-        raise NotConvertible("its head has hooks or a patched forward (other than FSDP2's)")
-    return head

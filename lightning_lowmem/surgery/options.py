@@ -20,6 +20,8 @@ from typing_extensions import Doc
 from lightning_lowmem.registry.activations import check_bits
 
 Switch = bool | Literal["auto", "off"]
+SWITCHES = ("activation", "norm", "linear", "gated", "dropout", "head", "lora", "attention")
+"""The options that switch a family of candidates on or off (each family names its ``switch``)."""
 Patterns = str | Sequence[str] | None
 
 
@@ -68,6 +70,20 @@ class Options:
         fused linear + cross-entropy, which never holds the logits (the output's ``logits`` are then ``None`` in
         training; evaluation and generation are unchanged); ``False`` keeps the stock head and its logits."""),
     ] = "auto"
+    lora: Annotated[
+        Switch,
+        Doc("""
+        ``"auto"`` gives LoRA layers that compute their adapter in their own forward (LitGPT's ``LoRALinear`` /
+        ``LoRAQKVLinear``; hand-written ``linear(x) + scale * B(A(dropout(x)))`` layers, found by their data flow) a
+        forward whose adapter shares its input norm's tensor and takes in its dropout; ``False`` leaves them (peft's
+        adapters are linear layers: ``linear``, ``norm`` and ``dropout`` decide them)."""),
+    ] = "auto"
+    attention: Annotated[
+        Switch,
+        Doc("""
+        ``"auto"`` lays LitGPT attention's inputs out so that SDPA keeps no ``qkv`` output alive and its output is
+        what the output projection saves; ``False`` leaves it."""),
+    ] = "auto"
     include: Annotated[
         Patterns,
         Doc("""
@@ -110,7 +126,7 @@ class Options:
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)
-        for name in ("activation", "norm", "linear", "gated", "dropout", "head"):
+        for name in SWITCHES:
             set_(name, _switch(getattr(self, name), name))
         for name in ("include", "exclude", "checkpoint"):
             set_(name, _patterns(getattr(self, name), name))

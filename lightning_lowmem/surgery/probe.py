@@ -25,9 +25,10 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
+from lightning_lowmem.nn.adapters import adapter_of
 from lightning_lowmem.nn.linear import linear_arguments
 from lightning_lowmem.nn.norm import whole_rows
-from lightning_lowmem.nn.peft import is_lora_layer, lora_dropouts
+from lightning_lowmem.registry.activations import FUNCTIONS
 from lightning_lowmem.surgery.example import call, isolated, tensors_in
 
 _METADATA = {
@@ -38,13 +39,12 @@ _METADATA = {
 }  # fmt: skip
 _PASS_THROUGH = {"to", "contiguous", "type_as", "cpu", "cuda"}  # reads nothing when they return the input itself
 _CASTS = {"to", "type_as"}
-_FUNCTIONAL_ACTIVATIONS = (F.gelu, F.silu)
 
 
 def _is_functional_candidate(func: Any, args: tuple, kwargs: dict) -> bool:
-    """A GELU/SiLU, or a training dropout (``F.dropout``, SDPA's ``dropout_p``), called as a function: the surgery
-    cannot swap it, the report says so."""
-    if func in _FUNCTIONAL_ACTIVATIONS:
+    """An activation of the registry, or a training dropout (``F.dropout``, SDPA's ``dropout_p``), called as a
+    function: the report says so where the surgery does not rewrite it."""
+    if func in FUNCTIONS:
         return True
     if func is F.dropout:
         bound = dict(zip(("input", "p", "training"), args)) | kwargs
@@ -84,8 +84,8 @@ class Read:
 class Flow:
     """What the probe found: each norm's reads in order, or the reason it is left alone.
 
-    ``functional`` maps module names to GELU/SiLU functions called directly in their forward
-    (not swappable); ``outputs`` are the model's eval-mode outputs, a reference for checks.
+    ``functional`` maps module names to the activation functions and training dropouts called directly in their
+    forward (reported where not rewritten); ``outputs`` are the model's eval-mode outputs, a reference for checks.
     """
 
     reads: dict[str, list[Read]] = field(default_factory=lambda: defaultdict(list))
@@ -101,6 +101,11 @@ class Flow:
     def read(self, norm: str, read: Read) -> None:
         if read not in self.reads[norm]:
             self.reads[norm].append(read)
+
+
+def _passes_casts(module: nn.Module | None) -> bool:
+    adapter = adapter_of(module)
+    return adapter is not None and adapter.passes_casts(module)
 
 
 def _op_name(func: Any) -> str:
@@ -156,7 +161,7 @@ class _Probe(TorchFunctionMode):
             if norm is None or name in _METADATA or (name in _PASS_THROUGH and out is t):
                 continue
             if isinstance(out, torch.Tensor) and (
-                (name in _CASTS and is_lora_layer(here)) or (here in self.passing and func is F.dropout)
+                (name in _CASTS and _passes_casts(here)) or (here in self.passing and func is F.dropout)
             ):
                 # peft's cast of its input to the adapter dtype, which the surgery switches off (the converted
                 # lora_A casts, saving the norm's tensor), or a dropout the surgery converts (folded into a LoRA
@@ -185,6 +190,7 @@ def _trace(
     norms: dict[str, tuple[nn.Module, tuple[int, ...]]],
     activations: set[nn.Module],
     passing: set[nn.Module],
+    copying: set[nn.Module],
 ) -> Flow:
     """Probe ``model`` on ``example`` (train and eval mode) and record the reads of every norm in ``norms``
     (name -> module and normalized shape)."""
@@ -194,7 +200,6 @@ def _trace(
     called: set[str] = set()
     stack: list[nn.Module] = []
     row_shapes = {name: shape for name, (_, shape) in norms.items()}
-    copying = {dropout for *_, dropout in lora_dropouts(model)} - passing
     probe = _Probe(flow, names, stack, activations, copying, passing, row_shapes)
 
     def pre(module, args):
@@ -244,10 +249,12 @@ def probe(
     norms: dict[str, tuple[int, ...]],
     activations: set[nn.Module],
     passing: set[nn.Module] = frozenset(),
+    copying: set[nn.Module] = frozenset(),
 ) -> Flow:
     """The probe stage: every read of the output of each norm in ``norms`` (name -> normalized shape), and the
-    GELU/SiLU functions and training dropouts called in modules other than ``activations``; the dropouts the
-    surgery converts (``passing``) pass the norm's output on to their readers. Without an example every norm is
+    activation functions and training dropouts called in modules other than ``activations``; the dropouts the
+    surgery converts (``passing``) pass the norm's output on to their readers, and a norm read through an adapter's
+    dropout that stays (``copying``) is left alone. Without an example every norm is
     left alone; an example the model cannot run is an :class:`ExampleInputError`."""
     if example is None:
         flow = Flow()
@@ -257,7 +264,7 @@ def probe(
     named = dict(model.named_modules())
     try:
         norms_by_name = {name: (named[name], shape) for name, shape in norms.items()}
-        return _trace(model, example, norms_by_name, activations, set(passing))
+        return _trace(model, example, norms_by_name, activations, set(passing), set(copying) - set(passing))
     except Exception as err:
         raise ExampleInputError(
             f"apply_lowmem: {type(model).__name__} cannot run the example input ({type(err).__name__}: {err}); "

@@ -8,8 +8,18 @@ from typing import Literal, get_args
 from lightning_lowmem.memory import MIB, SavedTensorMeter
 from lightning_lowmem.surgery.budget import BudgetPlan
 
-EntryKind = Literal["activation", "gated MLP", "norm", "dropout", "head", "attention", "functional"]
+EntryKind = str
+"""A family's ``kind`` (:data:`~lightning_lowmem.surgery.families.FAMILIES`), or ``"gated MLP"`` / ``"activation"``
+for a rewritten forward."""
 EntryStatus = Literal["converted", "already converted", "left alone"]
+
+
+def summary_kinds() -> tuple[str, ...]:
+    """The kinds the summary counts, in the order of the families (calls left alone as functions are in the table
+    only)."""
+    from lightning_lowmem.surgery.families import FAMILIES  # the families import the report's Entry
+
+    return tuple(dict.fromkeys(f.kind for f in FAMILIES if f.kind not in ("functional", "linear")))
 
 
 @dataclass(frozen=True)
@@ -112,7 +122,7 @@ class LowMemReport:
             return "pending: converts at the model's first training forward, on that forward's input"
         counts = ", ".join(
             f"{n} {kind}{'s' * (n != 1)} {status}"
-            for kind in ("activation", "gated MLP", "norm", "dropout", "head", "attention")
+            for kind in summary_kinds()
             for status in get_args(EntryStatus)
             if (n := len(self._with(status, kind)))
         )

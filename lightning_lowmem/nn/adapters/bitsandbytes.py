@@ -1,7 +1,9 @@
-"""What the surgery knows about bitsandbytes' quantized layers (QLoRA), in one place.
+"""bitsandbytes' quantized layers (QLoRA's frozen 4-bit base layers), in one place.
 
 bitsandbytes is never imported here unless the model's code already did: its layers are
-recognised through the module the process has loaded.
+recognised through the module the process has loaded. A frozen 4-bit layer saves nothing for backward, so it
+reads a norm's output as a consumer would; on a CPU it repacks its weight for inference after an eval
+forward, which the surgery keeps it from doing.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from contextlib import contextmanager
 
 from torch import nn
 
+from lightning_lowmem.nn.adapters import LinearAdapter
+
 
 def is_frozen_4bit_linear(module: nn.Module) -> bool:
     """A bitsandbytes ``Linear4bit`` (QLoRA's frozen nf4/fp4 base layer): its autograd function keeps only the
@@ -19,6 +23,22 @@ def is_frozen_4bit_linear(module: nn.Module) -> bool:
     ``nn.Linear`` does. Not ``Linear8bitLt``: its function keeps its input (as a ``ctx`` attribute)."""
     bnb = sys.modules.get("bitsandbytes")  # not imported: no module is one
     return bnb is not None and isinstance(module, bnb.nn.Linear4bit)
+
+
+class Frozen4bitLinear(LinearAdapter):
+    name = "bitsandbytes"
+
+    def matches(self, layer: nn.Module) -> bool:
+        return is_frozen_4bit_linear(layer)
+
+    def saves_its_input(self, layer: nn.Module) -> bool:
+        return False
+
+    def reads_linearly(self, layer: nn.Module) -> bool:
+        return True  # it saves nothing
+
+
+ADAPTER = Frozen4bitLinear()
 
 
 def repacking_4bit_layers(model: nn.Module) -> list[nn.Module]:

@@ -1,4 +1,4 @@
-"""What lightning-lowmem knows about LitGPT's LoRA layers (``LoRALinear``, ``LoRAQKVLinear``), in one place.
+"""LitGPT's LoRA layers (``LoRALinear``, ``LoRAQKVLinear``) and its attention, in one place.
 
 litgpt is never imported: its layers are recognised by what they hold (a ``linear`` child, ``lora_A`` and
 ``lora_B`` Parameters, ``scaling``, ``merged``). Their forward computes the adapter as ``dropout(x) @ A.T @ B.T``
@@ -10,9 +10,12 @@ The layer keeps its class, its parameters and LitGPT's ``merge()``.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 from torch import nn
 
+from lightning_lowmem.nn.adapters import Fold, LinearAdapter
 from lightning_lowmem.nn.linear import shared_linear
 from lightning_lowmem.nn.norm import MemorySharingNorm
 from lightning_lowmem.ops.dropout import check_probability
@@ -47,6 +50,31 @@ def saves_its_input(layer: nn.Module) -> bool:
     if layer.linear.weight.requires_grad:
         return True
     return adapts(layer) and layer.lora_A.requires_grad and dropout_probability(layer) == 0
+
+
+class LitGPTLoRA(LinearAdapter):
+    name = "LitGPT"
+    installs_forward = True
+
+    def matches(self, layer: nn.Module) -> bool:
+        return is_lora_layer(layer)
+
+    def saves_its_input(self, layer: nn.Module) -> bool:
+        return saves_its_input(layer)
+
+    def reads_linearly(self, layer: nn.Module) -> bool:
+        return True  # through LoRAForward's shared x @ A.T; its frozen linear saves nothing, a trained one the input
+
+    def folds(self, layer: nn.Module) -> Iterator[Fold]:
+        p = dropout_probability(layer)
+        if p > 0:
+            yield Fold("lora_dropout", "lora_A", p, by_forward=True)  # into LoRAForward's x @ A.T
+
+    def forward(self, layer: nn.Module, norm: MemorySharingNorm | None, dropout: float) -> LoRAForward:
+        return LoRAForward(layer, norm, dropout)
+
+    def installed(self, layer: nn.Module) -> bool:
+        return lora_forward_of(layer) is not None
 
 
 class LoRAForward:
@@ -112,3 +140,6 @@ def attention_layout_of(attention: nn.Module) -> AttentionLayout | None:
     """The :class:`AttentionLayout` installed on ``attention``, if any."""
     installed = attention.__dict__.get("scaled_dot_product_attention")
     return installed if isinstance(installed, AttentionLayout) else None
+
+
+ADAPTER = LitGPTLoRA()

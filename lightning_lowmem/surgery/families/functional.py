@@ -1,38 +1,34 @@
 """Activations a module's forward calls as functions (``F.silu(self.fc_1(x)) * self.fc_2(x)``: LitGPT's MLPs,
-torchtitan's ``FeedForward``, nanoGPT's ``MLP``): that forward, traced one level deep by torch.fx (the module's
-children are leaves, called as they are), is rewritten to call the low-memory ops and installed on the module
-(:class:`~lightning_lowmem.nn.rewritten.RewrittenForward`; the module keeps its class and children).
+torchtitan's ``FeedForward``, nanoGPT's ``MLP``): that forward is rewritten to call the low-memory ops
+(:mod:`lightning_lowmem.surgery.tracing`).
 
 An activation call is a function of the registry (``F.gelu``, ``F.silu``, ``F.mish``: ``Activation.functions``)
 whose other arguments are constants, or ``x * torch.sigmoid(x)``; which activation it computes is decided by
 running it on the activation probe. When its output is only multiplied by another tensor, the two are a gated
 product and fuse (:func:`~lightning_lowmem.nn.gated.gated_product`, sharing the product with the layer reading
 it): a gated MLP found by its data flow, whatever its children are called. Any other call becomes its step op.
-Tracing takes the module's attributes as they are (``self.config.gelu_approximate``), so a forward that reads
-``self.training`` is left alone, and the rewritten forward must compute what the stock one does on a random input.
+The family also reports the activations and training dropouts the probe saw called as functions elsewhere.
 """
 
 from __future__ import annotations
 
 import operator
-import re
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
 from lightning_lowmem.nn.gated import gated_product
-from lightning_lowmem.nn.rewritten import RewrittenForward
+from lightning_lowmem.nn.rewritten import RewrittenForward, rewritten_forward_of
 from lightning_lowmem.ops.activation import step_activation
-from lightning_lowmem.registry.activations import ACTIVATIONS, Activation
-from lightning_lowmem.surgery.example import probe_mode
-from lightning_lowmem.surgery.identify import NotConvertible, activation_of_function
+from lightning_lowmem.registry.activations import FUNCTIONS, Activation
+from lightning_lowmem.surgery.families.base import Candidates, Family
+from lightning_lowmem.surgery.identify import NotConvertible, activation_of_function, is_plain
+from lightning_lowmem.surgery.report import Entry
+from lightning_lowmem.surgery.tracing import call_site, compiled, operand, trace
 
-FUNCTIONS = frozenset(function for entry in ACTIVATIONS.values() for function in entry.functions)
 _PRODUCTS = (operator.mul, torch.mul)
-_TORCH = str(Path(torch.__file__).parent)
 _NAMES = frozenset({function.__name__ for function in FUNCTIONS} | {"sigmoid"})
 
 
@@ -42,17 +38,6 @@ def calls_activation_functions(module: nn.Module) -> bool:
     return (
         code is not None and not _NAMES.isdisjoint(code.co_names) and not type(module).__module__.startswith("torch.")
     )
-
-
-class _OneLevel(fx.Tracer):
-    """Traces a module's own forward: its children are leaves."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.record_stack_traces = True
-
-    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        return True
 
 
 @dataclass(frozen=True)
@@ -104,22 +89,11 @@ def _product_with(call: _Call) -> tuple[fx.Node, fx.Node] | None:
     return (product, other) if activation else None  # a product with a parameter (a scale) is no gated one
 
 
-def _line(node: fx.Node) -> str:
-    """``model.py:830``: where the forward makes the call (the last frame outside torch)."""
-    frames = re.findall(r'File "([^"]+)", line (\d+)', node.stack_trace or "")
-    outside = [(path, line) for path, line in frames if not path.startswith(_TORCH)]
-    return f"{outside[-1][0].rpartition('/')[2]}:{outside[-1][1]}" if outside else "?"
-
-
-def _operand(node: fx.Node) -> str:
-    return str(node.target) if node.op == "call_module" else node.name
-
-
 def _rewrite_call(graph: fx.Graph, call: _Call, gated: bool, bits: int | None, erased: set[fx.Node]) -> str | None:
     """Replace ``call`` (fused with its product when ``gated``; alone when ``bits`` is set), adding the nodes it
     removes to ``erased``; what changed, or None."""
     product = _product_with(call) if gated and call.entry.gated else None
-    where = f"{call.spelled}({_operand(call.input)})"
+    where = f"{call.spelled}({operand(call.input)})"
     if product is not None:
         node, up = product
         reader = next(iter(node.users)) if len(node.users) == 1 else None
@@ -131,7 +105,7 @@ def _rewrite_call(graph: fx.Graph, call: _Call, gated: bool, bits: int | None, e
         node.replace_all_uses_with(fused)
         graph.erase_node(node)
         erased.add(node)
-        described = f"{where} * {_operand(up)}: {call.entry.gated} fused, saves {saves}"
+        described = f"{where} * {operand(up)}: {call.entry.gated} fused, saves {saves}"
     elif bits is not None:
         try:
             call.entry.step_derivative(bits, "apply_lowmem")
@@ -146,54 +120,14 @@ def _rewrite_call(graph: fx.Graph, call: _Call, gated: bool, bits: int | None, e
     for old in call.nodes:
         graph.erase_node(old)
         erased.add(old)
-    return f"{described} ({_line(call.output)})"
-
-
-def _in_features(layer: nn.Module) -> int | None:
-    """The input width of a linear layer (plain, LoRA-wrapped, quantized) or a norm, if it says."""
-    width = getattr(layer, "in_features", None)
-    if isinstance(width, int):
-        return width
-    shape = getattr(layer, "normalized_shape", None)
-    if isinstance(shape, (tuple, list)) and len(shape) == 1 and isinstance(shape[0], int):
-        return shape[0]
-    inner = next((getattr(layer, name) for name in ("linear", "base_layer") if hasattr(layer, name)), None)
-    return _in_features(inner) if isinstance(inner, nn.Module) else None
-
-
-def _check(module: nn.Module, graph: fx.Graph, function: object) -> None:
-    """The rewritten forward computes what the stock one does (eval mode, a random input of the width of the
-    first layer reading the input), or :class:`NotConvertible`."""
-    first = next((n for n in graph.nodes if n.op == "placeholder"), None)
-    reader = next((u for u in first.users if u.op == "call_module"), None) if first is not None else None
-    width = _in_features(module.get_submodule(reader.target)) if reader is not None else None
-    parameter = next((p for p in module.parameters() if p.is_floating_point()), None)
-    if width is None or parameter is None:
-        raise NotConvertible(
-            "calls activations as functions, but no linear layer or norm reads its input to check it on"
-        )
-    x = torch.randn(2, 3, width, dtype=parameter.dtype, device=parameter.device)
-    tolerance = 1e-4 if parameter.dtype in (torch.float32, torch.float64) else 1e-2
-    try:
-        with probe_mode(module, train=False), torch.autocast(x.device.type, enabled=False):
-            expected, got = module(x), function(module, x)
-        same = torch.allclose(got, expected, rtol=tolerance, atol=tolerance)
-    except Exception as err:  # noqa: BLE001 - any failure means: the rewrite does not hold
-        raise NotConvertible(f"its rewritten forward fails on a probe ({type(err).__name__})") from None
-    if not same:
-        raise NotConvertible("its rewritten forward computes something else than the stock one")
+    return f"{described} ({call_site(call.output)})"
 
 
 def rewrite(module: nn.Module, gated: bool, bits: int | None) -> RewrittenForward | None:
     """``module``'s forward with its activation calls replaced (gated products fused when ``gated``, other
     calls by their ``bits``-bit step op when ``bits`` is set), checked; ``None`` if it calls none; else
     :class:`NotConvertible`."""
-    if "training" in type(module).forward.__code__.co_names:
-        raise NotConvertible("calls activations as functions, but its forward reads self.training (tracing fixes it)")
-    try:
-        graph = _OneLevel().trace(module)
-    except Exception as err:  # noqa: BLE001 - any failure means: its forward is not traceable
-        raise NotConvertible(f"calls activations as functions, but its forward cannot be traced ({type(err).__name__})")
+    graph = trace(module, "calls activations as functions")
     sites, erased = [], set()
     for node in list(graph.nodes):
         call = _activation_call(node) if node not in erased else None
@@ -202,7 +136,51 @@ def rewrite(module: nn.Module, gated: bool, bits: int | None) -> RewrittenForwar
             sites.append(site)
     if not sites:
         return None
-    graph.lint()
-    function = type(fx.GraphModule(module, graph)).forward
-    _check(module, graph, function)
-    return RewrittenForward(module, function, tuple(sites), any(" fused, " in site for site in sites))
+    return RewrittenForward(module, compiled(module, graph), tuple(sites), any(" fused, " in site for site in sites))
+
+
+class FunctionalActivations(Family):
+    kind = "functional"
+    switch = "activation"
+
+    def converted(self, module: nn.Module) -> bool:
+        return rewritten_forward_of(module) is not None
+
+    def nominate(self, model, options, found: Candidates) -> None:
+        """Modules whose forward calls activations as functions, with that forward rewritten; why the others'
+        could not be (reported where the probe sees them call one: naming ``sigmoid`` proves no call)."""
+        if not (options.activation or options.gated):
+            return
+        rewritten, unrewritten = found[self.kind], found["unrewritten"]
+        for name, module in model.named_modules():
+            if found.already_converted(name) or name in found["gated MLP"] or not options.selected(name):
+                continue
+            if module is model or not module._modules or not calls_activation_functions(module):
+                continue  # the model's own forward may be running (deferred conversion); a leaf is one activation
+            if not is_plain(module):
+                unrewritten[name] = "has hooks or a patched forward (a rewritten forward would skip them)"
+                continue
+            try:
+                forward = rewrite(module, options.gated, options.bits if options.activation else None)
+            except NotConvertible as err:
+                unrewritten[name] = str(err)
+                continue
+            if forward is not None:
+                rewritten[name] = forward
+
+    def plan(self, model, found, flow, options, plan) -> None:
+        named = dict(model.named_modules())
+        for name, forward in found[self.kind].items():
+            plan.install(named[name], "forward", forward)
+            kind = "gated MLP" if forward.fused else "activation"
+            plan.entries.append(Entry(name, kind, type(named[name]).__name__, "converted", "; ".join(forward.sites)))
+        for where, ops in flow.functional.items():
+            if where in found[self.kind]:
+                continue
+            was = "F." + "/F.".join(sorted(ops))
+            activation = not ops.isdisjoint(f.__name__ for f in FUNCTIONS)
+            why = found["unrewritten"].get(where) if activation else None
+            plan.entries.append(Entry(where, self.kind, was, "left alone", why or "called as a function, not a module"))
+
+
+FAMILY = FunctionalActivations()
