@@ -53,7 +53,9 @@ class ParamLoRA(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         result = F.linear(x, self.weight, self.bias)
-        return result + (self.lora_dropout(x) @ self.lora_A.transpose(0, 1) @ self.lora_B.transpose(0, 1)) * self.scaling
+        return (
+            result + (self.lora_dropout(x) @ self.lora_A.transpose(0, 1) @ self.lora_B.transpose(0, 1)) * self.scaling
+        )
 
 
 class TransposedLoRA(ParamLoRA):
@@ -86,7 +88,8 @@ def batch() -> dict[str, torch.Tensor]:
 
 def saved_bytes(model: nn.Module, example: dict) -> int:
     with SavedTensorMeter() as meter:
-        model(**example).loss
+        loss = model(**example).loss
+    del loss
     return meter.total_bytes
 
 
