@@ -1,4 +1,4 @@
-"""Activations called as functions inside a forward (``surgery/functional.py``): every form the rewrite knows,
+"""Activations called as functions inside a forward (``surgery/families/functional.py``): every form the rewrite knows,
 gated MLPs found by data flow whatever their children are called, a hand-written torchtitan-style LLaMA saving
 what Hugging Face's LLaMA saves, what is left alone and why, and torch.compile."""
 

@@ -2,7 +2,7 @@
 
 The module keeps its class, children, parameters and state_dict; only its ``forward`` is shadowed on the
 instance by :class:`RewrittenForward`, which runs the rewritten code (see
-:mod:`lightning_lowmem.surgery.functional`) on the module itself, so that its children are looked up at each
+:mod:`lightning_lowmem.surgery.tracing`) on the module itself, so that its children are looked up at each
 call (a child the surgery replaces too is the new one).
 """
 

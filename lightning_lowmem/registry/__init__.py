@@ -1,12 +1,14 @@
 """What lightning-lowmem knows about each family of candidate layers: one registry per family.
 
 The bottom layer: plain descriptions, read by the kernels (an activation's id), the ops (step
-derivatives, a norm's ``center``), the modules, the surgery (which modules to nominate and what to check
-them against), the precision plugin (which layers are norms) and the table generator. A family that
-comes next (dropouts, language-model heads) is one more module here, read the same way.
+derivatives, a norm's ``center``), the modules, the surgery's families (which modules to nominate and what
+to check them against), the precision plugin (which layers are norms) and the table generator.
 
-- :mod:`.activations`: GELU (erf, tanh), SiLU, QuickGELU, Mish; :func:`register_activation`.
+- :mod:`.activations`: GELU (erf, tanh), SiLU, QuickGELU, Mish, and the functions that compute them;
+  :func:`register_activation`.
 - :mod:`.norms`: LayerNorm, RMSNorm; :func:`register_norm`.
+- :mod:`.dropouts`: the elementwise dropouts a seeded dropout replaces.
+- :mod:`.heads`: the causal LMs whose loss the fused linear + cross-entropy computes.
 - :mod:`.step_tables`: the fitted k-bit step derivatives (generated).
 """
 

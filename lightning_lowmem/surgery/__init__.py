@@ -1,4 +1,5 @@
-"""Model surgery: find activations, gated MLPs and norms in real models and convert them, verified.
+"""Model surgery: find activations, gated MLPs, norms, dropouts, LoRA layers and heads in real models and convert
+them, verified.
 
 The public surface: :func:`apply_lowmem` / :func:`plan` / :func:`max_batch_size` with their
 :class:`Options`, the :class:`LowMemReport`, and what an integration needs to convert at a model's
