@@ -70,6 +70,28 @@ class TransposedLoRA(ParamLoRA):
         return F.linear(x, self.weight, self.bias) + self.scaling * (self.lora_dropout(x) @ self.lora_A @ self.lora_B)
 
 
+class TorchtuneLoRA(nn.Module):
+    """torchtune's ``LoRALinear``, as it computes: its own base weight, ``lora_a`` / ``lora_b`` children, the scale
+    after ``B``, a ``disabled`` switch."""
+
+    def __init__(self, base: nn.Linear, r: int = 4, alpha: float = 8.0, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.rank, self.alpha, self.disabled = r, alpha, False
+        self.weight, self.bias = base.weight, base.bias
+        self.dropout = nn.Dropout(p=dropout) if dropout > 0.0 else nn.Identity()
+        self.lora_a = nn.Linear(base.in_features, r, bias=False)
+        self.lora_b = nn.Linear(r, base.out_features, bias=False)
+        nn.init.normal_(self.lora_b.weight, std=0.02)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.linear(x, self.weight, self.bias)
+        if self.disabled:
+            return out
+        lora_out = self.lora_a(self.dropout(x))
+        lora_out = (self.alpha / self.rank) * self.lora_b(lora_out)
+        return out + lora_out
+
+
 def hand_written(cls: type[nn.Module], dropout: float) -> nn.Module:
     """The tiny LLaMA with ``cls`` on every linear layer of its blocks, only the adapters trainable."""
     model = zoo.llama()
@@ -94,7 +116,7 @@ def saved_bytes(model: nn.Module, example: dict) -> int:
 
 
 @pytest.mark.parametrize("dropout", [0.0, 0.05])
-@pytest.mark.parametrize("cls", [ChildLoRA, ParamLoRA, TransposedLoRA])
+@pytest.mark.parametrize("cls", [ChildLoRA, ParamLoRA, TransposedLoRA, TorchtuneLoRA])
 def test_hand_written_lora_keeps_no_more_than_peft(cls, dropout):
     example = batch()
     peft_model = zoo.lora(zoo.llama(), zoo.LLAMA_LINEARS, lora_dropout=dropout)
@@ -223,3 +245,18 @@ def test_families_and_adapters_are_registries():
     layer = peft_model.base_model.model.model.layers[0].self_attn.q_proj
     assert adapter_of(layer).name == "peft" and adapter_of(layer.base_layer).name == "torch"
     assert adapter_of(nn.LayerNorm(4)) is None
+
+
+@pytest.mark.parametrize("cls", [ChildLoRA, ParamLoRA])
+def test_hand_written_lora_compiles_whole(cls):
+    """The rewritten forward under ``torch.compile(fullgraph=True)``: no graph break, eager's loss and gradients."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.LayerNorm(16), cls(nn.Linear(16, 12), dropout=0.0))
+    apply_lowmem(model, torch.randn(2, 5, 16))
+    x = torch.randn(2, 5, 16)
+    eager = model(x).square().sum()
+    grads = torch.autograd.grad(eager, list(model.parameters()))
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")(x).square().sum()
+    torch.testing.assert_close(compiled, eager)
+    for got, want in zip(torch.autograd.grad(compiled, list(model.parameters())), grads):
+        torch.testing.assert_close(got, want)

@@ -25,7 +25,7 @@ def test_every_entry_point_has_every_option_in_its_signature_and_docs(entry):
 
 
 def test_options_are_validated_once_with_clear_errors():
-    with pytest.raises(TypeError, match="LowMemBP: unknown option 'bit'; the options are activation, bits"):
+    with pytest.raises(TypeError, match="LowMemBP: unknown option 'bit'; the options are activation, attention, bits"):
         LowMemBP(bit=2)
     with pytest.raises(ValueError, match="apply_lowmem: norm must be 'auto', True, False or 'off', got 'yes'"):
         apply_lowmem(nn.Linear(2, 2), norm="yes")

@@ -163,14 +163,20 @@ def _rewrite(module: nn.Module, fold: bool) -> tuple[RewrittenForward, _Site] | 
     return RewrittenForward(module, compiled(module, graph, width), (described,), False), site
 
 
+def _chain(a: tuple[int, ...], b: tuple[int, ...]) -> bool:
+    """Whether matrices of shapes ``a`` then ``b`` chain through a dimension smaller than their others, as ``A`` and
+    ``B`` do: ``(r, in)`` then ``(out, r)`` (``F.linear``'s), or ``(in, r)`` then ``(r, out)``."""
+    return (a[0] == b[1] and a[0] < min(a[1], b[0])) or (a[1] == b[0] and a[1] < min(a[0], b[1]))
+
+
 def _may_be_lora(module: nn.Module) -> bool:
-    """A cheap test before tracing: a class outside torch holding at least three matrices (the base weight, ``A``
-    and ``B``) as its own Parameters or its plain linear children."""
+    """A cheap test before tracing: a class outside torch holding at least three matrices (its own Parameters or
+    its plain linear children's weights), two of which chain as ``A`` and ``B`` do."""
     if type(module).__module__.startswith("torch.") or adapter_of(module) is not None:
         return False
-    own = sum(p.dim() == 2 for p in module.parameters(recurse=False))
-    children = sum(type(child) is nn.Linear for child in module.children())
-    return own + children >= 3
+    shapes = [tuple(p.shape) for p in module.parameters(recurse=False) if p.dim() == 2]
+    shapes += [tuple(c.weight.shape) for c in module.children() if type(c) is nn.Linear]
+    return len(shapes) >= 3 and any(_chain(a, b) for i, a in enumerate(shapes) for j, b in enumerate(shapes) if i != j)
 
 
 class LoRAByDataFlow(Family):
@@ -180,6 +186,8 @@ class LoRAByDataFlow(Family):
     def nominate(self, model, options, found: Candidates) -> None:
         for name, module in model.named_modules():
             if module is model or found.taken(name) or not options.lora or not options.selected(name):
+                continue
+            if name in found["gated MLP"] or name in found["functional"]:
                 continue
             if not _may_be_lora(module) or not is_plain(module):
                 continue
