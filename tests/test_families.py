@@ -130,6 +130,10 @@ def test_hand_written_lora_keeps_no_more_than_peft(cls, dropout):
     assert {e.kind for e in report.converted} >= {"gated MLP", "norm", "head"}
     assert saved_bytes(model.train(), example) <= saved_bytes(peft_model.train(), example)
     assert saved_bytes(model, example) < saved_bytes(stock.train(), example)
+    again = apply_lowmem(model, example)  # a second run changes nothing and says so
+    assert {e.name for e in again.entries if e.kind == "LoRA" and e.status == "already converted"} == {
+        e.name for e in layers
+    }
     stock.eval(), model.eval()  # the dropout masks differ (seeded): compare without them
     torch.testing.assert_close(model(**example).logits, stock(**example).logits, rtol=1e-5, atol=1e-5)
     if dropout == 0:  # exact ops: the adapters' gradients are stock's

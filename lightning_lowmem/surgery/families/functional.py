@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
+from lightning_lowmem.nn.adapters import adapter_of
 from lightning_lowmem.nn.gated import gated_product
 from lightning_lowmem.nn.rewritten import RewrittenForward, rewritten_forward_of
 from lightning_lowmem.ops.activation import step_activation
@@ -144,7 +145,7 @@ class FunctionalActivations(Family):
     switch = "activation"
 
     def converted(self, module: nn.Module) -> bool:
-        return rewritten_forward_of(module) is not None
+        return rewritten_forward_of(module) is not None and adapter_of(module) is None  # else a LoRA layer's
 
     def nominate(self, model, options, found: Candidates) -> None:
         """Modules whose forward calls activations as functions, with that forward rewritten; why the others'
