@@ -17,6 +17,8 @@ third more than stock; computed in the forward it costs no more (``benchmarks/cr
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -41,11 +43,20 @@ class _Chunks:
     ``lora_A`` output and ``lora_B`` weight) in the compute dtype (autocast's, else the promoted one, as
     ``F.linear`` would run), cast once, and what each chunk of rows needs: its fp32 logits ``sum(input @ weight.T)
     + bias`` (in one reused buffer), then from their gradient each input's gradient rows and each weight's and the
-    bias's gradient, accumulated in place (a weight's in the compute dtype: no weight-sized temporary per chunk)."""
+    bias's gradient, accumulated in place: a weight's in ``accum_dtype`` (default the compute dtype), each chunk's
+    product computed in the compute dtype and added (in the compute dtype itself, added by ``addmm_``: no
+    weight-sized temporary per chunk, but the rounding error grows with the number of chunks)."""
 
-    def __init__(self, terms: list[tuple[torch.Tensor, torch.Tensor]], bias, needs: tuple[bool, ...]) -> None:
+    def __init__(
+        self,
+        terms: list[tuple[torch.Tensor, torch.Tensor]],
+        bias,
+        needs: tuple[bool, ...],
+        accum_dtype: torch.dtype | None = None,
+    ) -> None:
         hidden, weight = terms[0]
         dtype = autocast_dtype(hidden) or torch.promote_types(hidden.dtype, weight.dtype)
+        self.accum_dtype = accum_dtype or dtype
         self.terms = [(i.to(dtype), w.to(dtype)) for i, w in terms]
         self.bias = None if bias is None else bias.to(dtype)
         self.rows, self.vocab = hidden.shape[0], weight.shape[0]
@@ -81,9 +92,11 @@ class _Chunks:
 
     def _accumulate(self, index: int, grad_t: torch.Tensor, inputs: torch.Tensor) -> None:
         if self.sums[index] is None:
-            self.sums[index] = torch.mm(grad_t, inputs)
-        else:
+            self.sums[index] = torch.mm(grad_t, inputs).to(self.accum_dtype)
+        elif self.sums[index].dtype == inputs.dtype:
             self.sums[index].addmm_(grad_t, inputs)
+        else:
+            self.sums[index].add_(torch.mm(grad_t, inputs))
 
     def grads(self, operands: tuple[torch.Tensor, ...], bias: torch.Tensor | None) -> list[torch.Tensor | None]:
         """The gradient of each operand (inputs and weights, in their dtypes), then the bias's."""
@@ -106,40 +119,109 @@ def _scaled(grad: torch.Tensor | None, upstream: torch.Tensor) -> torch.Tensor |
 
 def _needs(ctx) -> tuple[bool, ...]:
     """Which of ``LinearCrossEntropyFunction``'s operands, then its bias, need a gradient."""
-    return (*ctx.needs_input_grad[6:], ctx.needs_input_grad[5])
+    return (*ctx.needs_input_grad[_OPERANDS:], ctx.needs_input_grad[_OPERANDS - 1])
+
+
+@dataclass(frozen=True)
+class _Loss:
+    """What the loss of a row is: F.cross_entropy's with ``ignore_index``, ``smoothing`` and ``softcap`` (Gemma 2's),
+    times the weight of its target class (``class_weight``), plus ``z_loss * logsumexp(logits)^2`` (PaLM's)."""
+
+    ignore_index: int
+    smoothing: float
+    softcap: float
+    z_loss: float
+    class_weight: torch.Tensor | None
+
+    def row_weights(self, target: torch.Tensor) -> torch.Tensor:
+        """Each row's weight: its target class's (1 without class weights), 0 where ignored."""
+        kept = target != self.ignore_index
+        if self.class_weight is None:
+            return kept.float()
+        return self.class_weight.float().gather(0, target.masked_fill(~kept, 0)) * kept
+
+    def step(self, impl, logits: torch.Tensor, target: torch.Tensor, ce_scale, z_scale) -> tuple[torch.Tensor, float]:
+        """Turn ``logits`` (fp32, a chunk) in place into the gradient of the rows' loss, its cross-entropy part scaled
+        by ``ce_scale`` and its z-loss part by ``z_scale``; return the rows' losses (unscaled) and their z-loss
+        part's sum."""
+        z_grad = None
+        if self.z_loss:  # d(lse^2)/dlogits = 2 lse softmax(capped) (1 - tanh^2) before the kernel overwrites them
+            squash = torch.tanh(logits / self.softcap) if self.softcap else None
+            capped = logits.clone() if squash is None else squash * self.softcap
+            lse = torch.logsumexp(capped, dim=1)
+            z_grad = capped.sub_(lse.unsqueeze(1)).exp_()
+            if squash is not None:
+                z_grad.mul_(1 - squash.square_())
+        losses = impl.cross_entropy_grad_(logits, target, self.ignore_index, self.smoothing, self.softcap)
+        weights = self.row_weights(target)
+        if self.class_weight is not None:
+            losses = losses * weights
+        logits.mul_((weights * ce_scale).unsqueeze(1))
+        if z_grad is None:
+            return losses, 0.0
+        kept = target != self.ignore_index
+        logits.add_(z_grad.mul_((2 * self.z_loss * z_scale * lse * kept).unsqueeze(1)))
+        z_rows = self.z_loss * lse.square() * kept
+        return losses + z_rows, z_rows.sum(dtype=torch.float64)
+
+
+def _accuracy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """How many rows' largest logit is their target's (ignored rows not counted)."""
+    return ((logits.argmax(1) == target) & (target != ignore_index)).sum()
+
+
+_OPERANDS = 10  # LinearCrossEntropyFunction's arguments before its operands (the bias is the last of them)
 
 
 class LinearCrossEntropyFunction(torch.autograd.Function):
     """The cross-entropy of ``sum(input @ weight.T) + bias`` over the terms ``operands = (hidden, weight[, lora
-    input, lora weight])`` (inputs: rows x features), by chunks of rows."""
+    input, lora weight])`` (inputs: rows x features), by chunks of rows. Returns the loss and, with ``accuracy``,
+    the share of kept rows whose largest logit is their target's (else an empty tensor)."""
 
     @staticmethod
-    def forward(ctx, target, ignore_index: int, smoothing: float, softcap: float, reduction: str, bias, *operands):
+    def forward(
+        ctx, target, class_weight, ignore_index, smoothing, softcap, z_loss, reduction, accuracy, accum_dtype, bias,
+        *operands,
+    ):  # fmt: skip
+        loss = _Loss(ignore_index, smoothing, softcap, z_loss, class_weight)
         needs = _needs(ctx)
         terms = list(zip(operands[::2], operands[1::2]))
         # per-row upstream gradients reach a weight only through each row: then the backward recomputes
         in_forward = reduction != "none" or not any(needs[1::2])
-        chunks = _Chunks(terms, bias, needs if in_forward else (False,) * len(needs))
+        chunks = _Chunks(terms, bias, needs if in_forward else (False,) * len(needs), accum_dtype)
         impl = kernels.implementation(target.device)
-        scale = 1.0 / (target != ignore_index).sum() if reduction == "mean" else None
+        kept = (target != loss.ignore_index).sum()
+        weights = loss.row_weights(target).sum() if loss.class_weight is not None else kept
+        if reduction == "mean":  # nothing to learn (no kept row, zero weights): a NaN loss, as stock's, zero gradients
+            ce_scale, z_scale = _reciprocal(weights), _reciprocal(kept)
+        else:
+            ce_scale = z_scale = 1.0
         losses = target.new_empty(chunks.rows, dtype=torch.float32)
+        correct, z_total = target.new_zeros(()), 0.0
         for part in chunks:
             logits = chunks.logits(part)
-            losses[part] = impl.cross_entropy_grad_(logits, target[part], ignore_index, smoothing, softcap)
-            if in_forward:  # ``logits`` is now their gradient, scaled here as the loss is
-                chunks.add_grads(part, logits if scale is None else logits.mul_(scale))
+            if accuracy:
+                correct += _accuracy(logits, target[part], loss.ignore_index)
+            losses[part], z_part = loss.step(impl, logits, target[part], ce_scale, z_scale)
+            z_total = z_total + z_part
+            if in_forward:  # ``logits`` is now their gradient, scaled as the loss is
+                chunks.add_grads(part, logits)
         ctx.set_materialize_grads(False)
-        ctx.args = ignore_index, smoothing, softcap, reduction, in_forward
+        ctx.args = loss, reduction, in_forward
         saved = chunks.grads(operands, bias) if in_forward else (target, bias, *operands)
         ctx.save_for_backward(*saved)
+        share = correct / kept if accuracy else losses.new_empty(0)
+        ctx.mark_non_differentiable(share)
         if reduction == "none":
-            return losses
+            return losses, share
         total = losses.sum(dtype=torch.float64)  # rows' losses summed in fp64, returned in fp32
-        return (total * scale if scale is not None else total).float()
+        if reduction == "sum":
+            return total.float(), share
+        return ((total - z_total) / weights + z_total / kept).float(), share  # the mean's parts: each its count
 
     @staticmethod
-    def backward(ctx, upstream: torch.Tensor | None):
-        ignore_index, smoothing, softcap, reduction, in_forward = ctx.args
+    def backward(ctx, upstream: torch.Tensor | None, _):
+        loss, reduction, in_forward = ctx.args
         if upstream is None:
             return (None,) * len(ctx.needs_input_grad)
         refuse_double_backward("linear_cross_entropy")
@@ -150,14 +232,19 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             impl = kernels.implementation(target.device)
             for part in chunks:
                 logits = chunks.logits(part)
-                impl.cross_entropy_grad_(logits, target[part], ignore_index, smoothing, softcap)
+                loss.step(impl, logits, target[part], 1.0, 1.0)
                 chunks.add_grads(part, logits.mul_(upstream[part].unsqueeze(1)))
             *grads, grad_bias = chunks.grads(operands, bias)
-            return (None,) * 5 + (grad_bias, *grads)
+            return (None,) * (_OPERANDS - 1) + (grad_bias, *grads)
         *grads, grad_bias = ctx.saved_tensors
         rows = upstream.unsqueeze(1) if reduction == "none" else upstream
         scaled = [_scaled(g, rows if k % 2 == 0 else upstream) for k, g in enumerate(grads)]
-        return (None,) * 5 + (_scaled(grad_bias, upstream), *scaled)
+        return (None,) * (_OPERANDS - 1) + (_scaled(grad_bias, upstream), *scaled)
+
+
+def _reciprocal(count: torch.Tensor) -> torch.Tensor:
+    """``1 / count``, 0 where ``count`` is 0 (every row ignored: their gradients are 0, not NaN)."""
+    return count.float().reciprocal().nan_to_num(posinf=0.0)
 
 
 def linear_cross_entropy(
@@ -171,14 +258,26 @@ def linear_cross_entropy(
     label_smoothing: float = 0.0,
     softcap: float | None = None,
     lora: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> torch.Tensor:
+    class_weight: torch.Tensor | None = None,
+    z_loss: float = 0.0,
+    accum_dtype: torch.dtype | None = torch.float32,
+    return_accuracy: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``F.cross_entropy(F.linear(hidden, weight, bias).float(), target, ...)`` without the logits: never more than
     one chunk of them exists (see the module docstring). With ``softcap`` the logits are first capped as Gemma 2
     caps them, ``softcap * tanh(logits / softcap)``. ``hidden``: ``(..., features)``; ``target``: ``(...)`` class
     indices (``ignore_index`` for none); ``reduction="none"`` returns the loss per row, in ``target``'s shape.
     ``lora=(a, b)`` adds a LoRA adapter's term ``a @ b.T`` to the logits (``a``: the scaled ``lora_A`` output,
     ``(..., rank)``; ``b``: ``lora_B``'s weight, ``vocab x rank``), as peft's adapted head adds it. Gradients flow
-    to every tensor that requires them."""
+    to every tensor that requires them; rows with nothing to learn (every target ignored, or of weight 0) get zero
+    gradients, and their mean loss is NaN, as stock's.
+
+    ``class_weight``: a weight per class, as ``F.cross_entropy``'s ``weight`` (each row's loss times its target's
+    weight; the mean divides by the kept rows' weights); not with ``label_smoothing``. ``z_loss``: adds
+    ``z_loss * logsumexp(logits)^2`` per kept row (PaLM's z-loss; its mean is over the kept rows). ``accum_dtype``:
+    the dtype the weight's gradient is accumulated in over the chunks (default fp32: its error does not grow with
+    their number; ``None``: the compute dtype, no weight-sized fp32 buffer). ``return_accuracy``: also return the
+    share of kept rows whose largest logit is their target's (no gradient)."""
     check_float_tensor("linear_cross_entropy", hidden)
     check_float_tensor("linear_cross_entropy", weight)
     if reduction not in REDUCTIONS:
@@ -205,7 +304,19 @@ def linear_cross_entropy(
                 f"{tuple(hidden.shape)} and weight {tuple(weight.shape)}: want ((..., rank), (vocab, rank))"
             )
         operands += [a.reshape(-1, a.shape[-1]).contiguous(), b]
-    loss = LinearCrossEntropyFunction.apply(
-        target.reshape(-1), ignore_index, float(label_smoothing), float(softcap or 0.0), reduction, bias, *operands
-    )
-    return loss.view(target.shape) if reduction == "none" else loss
+    if class_weight is not None:
+        if class_weight.shape != (weight.shape[0],) or not class_weight.is_floating_point():
+            raise ValueError(
+                f"linear_cross_entropy: class_weight must be a float tensor of one weight per class "
+                f"({weight.shape[0]},), got {tuple(class_weight.shape)} {class_weight.dtype}"
+            )
+        if label_smoothing:
+            raise ValueError("linear_cross_entropy: class_weight with label_smoothing is not supported")
+    if not z_loss >= 0:
+        raise ValueError(f"linear_cross_entropy: z_loss must be >= 0, got {z_loss}")
+    loss, accuracy = LinearCrossEntropyFunction.apply(
+        target.reshape(-1), class_weight, ignore_index, float(label_smoothing), float(softcap or 0.0), float(z_loss),
+        reduction, return_accuracy, accum_dtype, bias, *operands,
+    )  # fmt: skip
+    loss = loss.view(target.shape) if reduction == "none" else loss
+    return (loss, accuracy) if return_accuracy else loss
