@@ -195,3 +195,20 @@ def test_max_batch_size_counts_the_fused_head():
     fused, stock_head = (max_batch_size(model, inputs, 64, head=head) for head in ("auto", False))
     assert stock_head >= 1 and fused >= 4 * stock_head, (fused, stock_head)
     assert fused_loss_of(model) is None  # left unchanged
+
+
+def test_a_head_that_costs_is_rolled_back_alone():
+    """Full fine-tuning on 4 tokens at a vocabulary of 2x the hidden size: the fused head holds its weight's gradient
+    (vocabulary x hidden) where stock holds 4 tokens' logits, so it costs; it alone is rolled back, the gated MLPs and
+    norms stay, and the step is stock's."""
+    stock = zoo.llama()
+    model = copy.deepcopy(stock)
+    inputs = batch(zoo.VOCAB, rows=1, tokens=4)
+    report = apply_lowmem(model, example_input=inputs)
+    head = next(e for e in report.entries if e.kind == "head")
+    assert head.status == "left alone" and "without the head conversions it saves" in head.detail
+    assert fused_loss_of(model) is None and "forward" not in model.lm_head.__dict__
+    kept = {e.kind for e in report.converted}
+    assert {"gated MLP", "norm"} <= kept and report.saved_bytes_after < report.saved_bytes_before
+    assert any(type(m).__name__ == "MSRMSNorm" for m in model.modules())
+    assert_same_step(step(stock, inputs), step(model, inputs))

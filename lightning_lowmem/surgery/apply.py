@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any
 
 from torch import nn
@@ -257,10 +258,40 @@ def make_plan(model: nn.Module, found: Candidates, flow: Flow, options: Options)
     model's module order. Nothing changes."""
     plan = Plan(entries=list(found.entries.values()))
     for family in FAMILIES:
+        plan.planning = family.kind
+        added = len(plan.entries)
         family.plan(model, found, flow, options, plan)
+        plan.entries[added:] = [replace(e, family=family.kind) for e in plan.entries[added:]]
     order = {name: i for i, name in enumerate(dict(model.named_modules()))}
     plan.entries.sort(key=lambda e: (order.get(e.name, len(order)), e.kind))
     return plan
+
+
+def _keep_what_saves(model: nn.Module, example: Any, plan: Plan, surgery: Surgery, report: LowMemReport) -> Surgery:
+    """The converted model saves more than the stock one: roll back the separable families whose changes cost
+    (each measured without them), keeping the rest when that is enough, else everything. Returns the surgery in
+    force."""
+    separable = [f.kind for f in FAMILIES if f.separable and f.kind in plan.kinds]
+    costly: list[str] = []
+    try:
+        for kind in separable:
+            surgery.rollback()
+            surgery = plan.apply(model, frozenset({kind}))
+            if measure_saved(model, example).total_bytes < report.saved_bytes_after:
+                costly.append(kind)
+        surgery.rollback()
+        if costly and set(plan.kinds) - set(costly):
+            surgery = plan.apply(model, frozenset(costly))
+            meter = measure_saved(model, example)
+            if meter.total_bytes <= report.saved_bytes_before:
+                report.roll_back(meter, costly)
+                return surgery
+            surgery.rollback()
+    except BaseException:
+        surgery.rollback()
+        raise
+    report.roll_back()
+    return Surgery(model)
 
 
 def run(report: LowMemReport, model: nn.Module, options: Options, example: Any) -> Surgery:
@@ -276,18 +307,14 @@ def run(report: LowMemReport, model: nn.Module, options: Options, example: Any) 
         report.record(measure_saved(model, example), converted=False)
     reference = (flow.outputs or eval_outputs(model, example)) if has_example and options.verify else None
 
-    surgery = Surgery(model, decided.new_modules())
+    surgery = decided.apply(model)
     try:
-        for change in decided.changes:
-            change.apply(surgery)
         if reference is not None:
             verify(model, example, reference)
         if report.saved_bytes_before is not None:
             report.record(measure_saved(model, example), converted=True)
             if report.saved_bytes_after > report.saved_bytes_before:  # never worse than stock
-                surgery.rollback()
-                report.roll_back()
-                surgery = Surgery(model)
+                surgery = _keep_what_saves(model, example, decided, surgery, report)
         if options.budget_mib is not None:
             report.budget = fit_budget(model, example, options.budget_mib, surgery, options.checkpoint)
     except BaseException:

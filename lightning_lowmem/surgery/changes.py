@@ -70,22 +70,41 @@ class AddHooks(Change):
 
 @dataclass
 class Plan:
-    """The changes in the order they apply, the report entries, and what later families read of earlier ones'
-    decisions: the replacement of each module (``replaced``) and the norm each linear consumer shares
-    (``norm_of``, by name)."""
+    """The changes in the order they apply, each with the kind of the family that planned it (``kinds``), the report
+    entries, and what later families read of earlier ones' decisions: the replacement of each module (``replaced``)
+    and the norm each linear consumer shares (``norm_of``, by name). ``planning``: the kind whose changes are added
+    now."""
 
     changes: list[Change] = field(default_factory=list)
+    kinds: list[str] = field(default_factory=list)
     entries: list[Entry] = field(default_factory=list)
     replaced: dict[nn.Module, nn.Module] = field(default_factory=dict)
     norm_of: dict[str, nn.Module] = field(default_factory=dict)
     linears: int = 0
+    planning: str = ""
+
+    def add(self, change: Change) -> None:
+        self.changes.append(change)
+        self.kinds.append(self.planning)
 
     def replace(self, old: nn.Module, new: nn.Module) -> None:
-        self.changes.append(Replace(old, new))
+        self.add(Replace(old, new))
         self.replaced[old] = new
 
     def install(self, module: nn.Module, method: str, value: object) -> None:
-        self.changes.append(Install(module, method, value))
+        self.add(Install(module, method, value))
 
     def new_modules(self) -> list[nn.Module]:
         return list(self.replaced.values())
+
+    def apply(self, model: nn.Module, without: frozenset[str] = frozenset()) -> Surgery:
+        """Apply every change but those of the kinds ``without``; returns the surgery that undoes them."""
+        surgery = Surgery(model, self.new_modules())
+        try:
+            for change, kind in zip(self.changes, self.kinds):
+                if kind not in without:
+                    change.apply(surgery)
+        except BaseException:
+            surgery.rollback()
+            raise
+        return surgery

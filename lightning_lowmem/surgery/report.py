@@ -31,6 +31,7 @@ class Entry:
     was: str
     status: EntryStatus
     detail: str
+    family: str = ""  # the kind of the family that decided it (a rewritten forward's is "functional")
 
 
 @dataclass
@@ -64,18 +65,23 @@ class LowMemReport:
         setattr(self, f"weight_copy_bytes_{suffix}", meter.weight_copy_bytes)
         setattr(self, f"saved_by_module_{suffix}", meter.by_module)
 
-    def roll_back(self) -> None:
-        """Every change was undone, the converted model having saved more for backward than the stock one."""
+    def roll_back(self, meter: SavedTensorMeter | None = None, families: list[str] | None = None) -> None:
+        """The converted model saved more for backward than the stock one: every change was undone, or (given what
+        the rest saves, ``meter``) only the changes of ``families``."""
         why = (
             f"rolled back: the converted model saved {self.saved_bytes_after / MIB:.2f} MiB for backward, more "
             f"than the stock model's {self.saved_bytes_before / MIB:.2f} MiB"
         )
-        self.entries = [
-            replace(e, status="left alone", detail=why) if e.status == "converted" else e for e in self.entries
-        ]
+        if families is not None:
+            why += f"; without the {', '.join(families)} conversions it saves {meter.total_bytes / MIB:.2f} MiB"
+        undone = lambda e: e.status == "converted" and (families is None or e.family in families)
+        self.entries = [replace(e, status="left alone", detail=why) if undone(e) else e for e in self.entries]
+        self.notes.append(why)
+        if meter is not None:
+            self.record(meter, converted=True)
+            return
         self.linears, self.saved_bytes_after = 0, self.saved_bytes_before
         self.weight_copy_bytes_after, self.saved_by_module_after = self.weight_copy_bytes_before, {}
-        self.notes.append(why)
 
     def _with(self, status: EntryStatus, kind: EntryKind | None = None) -> list[Entry]:
         return [e for e in self.entries if e.status == status and kind in (None, e.kind)]

@@ -17,6 +17,7 @@ from lightning_lowmem.surgery.report import Entry
 class Activations(Family):
     kind = "activation"
     switch = "activation"
+    separable = True
 
     def converted(self, module: nn.Module) -> bool:
         return isinstance(module, LowMemActivation)

@@ -85,7 +85,7 @@ class Adapters(Family):
                     Entry(name, self.kind, type(layer).__name__, "converted", _detail(adapter, norm, p))
                 )
             for attr, value in adapter.after_conversion(layer, plan.replaced).items():
-                plan.changes.append(SetAttribute(layer, attr, value))
+                plan.add(SetAttribute(layer, attr, value))
 
 
 FAMILY = Adapters()

@@ -15,6 +15,7 @@ _DETAIL = "v compact and q as (B, T, H, D): SDPA holds no qkv output, proj reads
 class Attention(Family):
     kind = "attention"
     switch = "attention"
+    separable = True
 
     def converted(self, module: nn.Module) -> bool:
         return litgpt.attention_layout_of(module) is not None

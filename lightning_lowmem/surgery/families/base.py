@@ -74,10 +74,13 @@ def foldable(dropout: nn.Module, layer: nn.Module | None) -> bool:
 
 
 class Family:
-    """One family of candidates: ``kind`` names it in the report, ``switch`` is the option that turns it off."""
+    """One family of candidates: ``kind`` names it in the report, ``switch`` is the option that turns it off;
+    ``separable``: its changes can be undone alone (no other family's rely on them), so when the converted model
+    saves more than the stock one this family alone can be rolled back if it is what costs."""
 
     kind: ClassVar[str]
     switch: ClassVar[str]
+    separable: ClassVar[bool] = False
 
     def nominate(self, model: nn.Module, options: Options, found: Candidates) -> None:
         """Record the verified candidates in ``found[kind]``, and why others are left alone. Changes nothing."""

@@ -143,6 +143,7 @@ def rewrite(module: nn.Module, gated: bool, bits: int | None) -> RewrittenForwar
 class FunctionalActivations(Family):
     kind = "functional"
     switch = "activation"
+    separable = True
 
     def converted(self, module: nn.Module) -> bool:
         return rewritten_forward_of(module) is not None and adapter_of(module) is None  # else a LoRA layer's

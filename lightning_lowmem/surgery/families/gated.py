@@ -24,6 +24,7 @@ def _detail(new: GatedMLPBase) -> str:
 class GatedMLPs(Family):
     kind = "gated MLP"
     switch = "gated"
+    separable = True
 
     def converted(self, module: nn.Module) -> bool:
         return isinstance(module, GatedMLPBase)

@@ -43,6 +43,7 @@ def fusable_head(model: nn.Module) -> nn.Module:
 class Heads(Family):
     kind = "head"
     switch = "head"
+    separable = True
 
     def nominate(self, model, options, found: Candidates) -> None:
         for name, module in model.named_modules():

@@ -124,7 +124,7 @@ class Norms(Family):
             for caller in callers:
                 if caller not in hooked:
                     hooked.add(caller)
-                    plan.changes.append(AddHooks(named[caller], share_functional_linears))
+                    plan.add(AddHooks(named[caller], share_functional_linears))
             plan.replace(stock, new)
             plan.entries.append(
                 Entry(name, self.kind, type(stock).__name__, "converted", _detail(name, spec, consumers, callers))
