@@ -448,3 +448,47 @@ def test_fsdp2_fuses_the_loss_of_a_causal_lm_whose_head_it_shards(one_process_gr
     for name, grad in grads.items():
         full = grad.full_tensor() if isinstance(grad, DTensor) else grad
         torch.testing.assert_close(full, stock.get_parameter(name).grad, msg=name)
+
+
+FSDP2_LLAMA_SCRIPT = """
+import json, os
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from benchmarks import zoo
+from lightning_lowmem import apply_lowmem
+
+
+def run(rank):
+    dist.init_process_group("gloo", init_method="file://{root}/store", rank=rank, world_size=2)
+    torch.manual_seed(0)
+    model = zoo.llama()
+    mesh = init_device_mesh("cpu", (2,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    report = apply_lowmem(model, example_input={{"input_ids": ids, "labels": ids}})
+    if rank == 0:
+        entries = [[e.name, e.kind, e.status, e.detail] for e in report.entries]
+        json.dump({{"entries": entries, "reduction": report.reduction}}, open({out!r}, "w"))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    mp.start_processes(run, nprocs=2, start_method="spawn")
+"""
+
+
+def test_fsdp2_sharded_blocks_convert_as_in_one_process(tmp_path):
+    """Each decoder layer under fully_shard in 2 gloo ranks: the gated MLPs are probed with their parameters whole
+    (inside FSDP2's unshard), so the report is the one-process model's, gated MLPs fused."""
+    sharded = run_ddp_script(tmp_path, FSDP2_LLAMA_SCRIPT)
+    torch.manual_seed(0)
+    model = zoo.llama()
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    report = apply_lowmem(model, example_input={"input_ids": ids, "labels": ids})
+    assert sharded["entries"] == [[e.name, e.kind, e.status, e.detail] for e in report.entries]
+    assert [e[2] for e in sharded["entries"] if e[1] == "gated MLP"] == ["converted", "converted"]

@@ -35,6 +35,7 @@ from torch._dynamo import OptimizedModule
 
 from lightning_lowmem.memory import MIB
 from lightning_lowmem.nn.adapters.bitsandbytes import keep_4bit_layers_trainable
+from lightning_lowmem.surgery import fsdp
 from lightning_lowmem.surgery.budget import fit_budget
 from lightning_lowmem.surgery.changes import Plan
 from lightning_lowmem.surgery.convert import Surgery
@@ -231,7 +232,7 @@ def max_sequence_length(
 def nominate(model: nn.Module, options: Options) -> Candidates:
     """Every family's verified candidates, in the order of :data:`FAMILIES`; modules an earlier run converted are
     reported so. Nothing changes."""
-    found = Candidates()
+    found = Candidates(fsdp_owners=fsdp.owners(model))
     for name, module in model.named_modules():
         family = next((f for f in FAMILIES if f.converted(module)), None)
         if family is not None:

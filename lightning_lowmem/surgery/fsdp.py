@@ -19,20 +19,55 @@ the test environment): an attribute renamed in a later torch fails loudly here.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
+
+
+def _groups(module: FSDPModule) -> Iterator:
+    state = module._get_fsdp_state()
+    if hasattr(state, "_fsdp_param_groups"):  # newer torch: a group per mesh; older: at most one
+        yield from state._fsdp_param_groups
+    elif state._fsdp_param_group is not None:
+        yield state._fsdp_param_group
 
 
 def param_groups(model: nn.Module) -> Iterator:
     """The FSDP2 parameter groups of the modules of ``model`` that ``fully_shard`` sharded."""
     for module in model.modules():
         if isinstance(module, FSDPModule):
-            state = module._get_fsdp_state()
-            if hasattr(state, "_fsdp_param_groups"):  # newer torch: a group per mesh; older: at most one
-                yield from state._fsdp_param_groups
-            elif state._fsdp_param_group is not None:
-                yield state._fsdp_param_group
+            yield from _groups(module)
+
+
+def owners(model: nn.Module) -> dict[str, FSDPModule]:
+    """Each module's name -> the module ``fully_shard`` sharded that holds its parameters (the nearest one above it,
+    or itself), for the modules of ``model`` that have one."""
+    found: dict[str, FSDPModule] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, FSDPModule):
+            found[name] = module
+        else:
+            parent = name.rpartition(".")[0] if "." in name else ("" if name else None)
+            if parent is not None and parent in found:
+                found[name] = found[parent]
+    return found
+
+
+@contextmanager
+def gathered(owner: FSDPModule | None) -> Iterator[None]:
+    """The parameters ``owner`` shards, whole for the duration, as in its own forward (a check that runs a module
+    outside its block's forward needs them so); sharded again after, unless they were whole already (the root's,
+    during the forward a deferred conversion runs in)."""
+    sharded = owner is not None and any(not group.is_unsharded for group in _groups(owner))
+    if not sharded:
+        yield
+        return
+    owner.unshard()
+    try:
+        yield
+    finally:
+        owner.reshard()
 
 
 def param_records(model: nn.Module) -> dict[int, list[tuple]]:

@@ -7,6 +7,7 @@ A family nominates its candidates (verified one by one, nothing changed) and, af
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -14,6 +15,7 @@ from torch import nn
 
 from lightning_lowmem.nn import LowMemLinear
 from lightning_lowmem.registry.dropouts import is_elementwise_dropout
+from lightning_lowmem.surgery import fsdp
 from lightning_lowmem.surgery.identify import is_plain
 from lightning_lowmem.surgery.report import Entry
 
@@ -44,6 +46,7 @@ class Candidates:
     adapter_dropouts: set[str] = field(default_factory=set)
     kept_in_place: set[str] = field(default_factory=set)  # folded dropouts a rewritten forward reads p from
     entries: dict[str, Entry] = field(default_factory=dict)
+    fsdp_owners: dict[str, nn.Module] = field(default_factory=dict)  # module name -> the FSDP2 module sharding it
 
     def __getitem__(self, kind: str) -> dict[str, Any]:
         return self.by_kind.setdefault(kind, {})
@@ -53,6 +56,11 @@ class Candidates:
 
     def already(self, name: str, kind: str, module: nn.Module) -> None:
         self.entries[name] = Entry(name, kind, type(module).__name__, "already converted", "")
+
+    def gathered(self, name: str) -> AbstractContextManager[None]:
+        """The parameters of the module ``name`` whole for the duration (an FSDP2-sharded module's are shards outside
+        its block's forward), for a check that runs it."""
+        return fsdp.gathered(self.fsdp_owners.get(name))
 
     def already_converted(self, name: str) -> bool:
         return name in self.entries and self.entries[name].status == "already converted"

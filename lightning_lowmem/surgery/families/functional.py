@@ -163,7 +163,8 @@ class FunctionalActivations(Family):
                 unrewritten[name] = "has hooks or a patched forward (a rewritten forward would skip them)"
                 continue
             try:
-                forward = rewrite(module, options.gated, options.bits if options.activation else None)
+                with found.gathered(name):
+                    forward = rewrite(module, options.gated, options.bits if options.activation else None)
             except NotConvertible as err:
                 unrewritten[name] = str(err)
                 continue

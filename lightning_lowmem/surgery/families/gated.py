@@ -38,7 +38,8 @@ class GatedMLPs(Family):
                 found.leave(name, self.kind, module, ROOT)
                 continue
             try:
-                found[self.kind][name] = fused = fused_gated_mlp(module, *match)
+                with found.gathered(name):
+                    found[self.kind][name] = fused = fused_gated_mlp(module, *match)
             except NotConvertible as err:
                 found.leave(name, self.kind, module, str(err))
                 continue

@@ -192,7 +192,8 @@ class LoRAByDataFlow(Family):
             if not _may_be_lora(module) or not is_plain(module):
                 continue
             try:
-                rewritten = _rewrite(module, options.dropout)
+                with found.gathered(name):
+                    rewritten = _rewrite(module, options.dropout)
             except NotConvertible:
                 continue  # a module that traces badly and may compute no LoRA at all: nothing to report
             if rewritten is None:
