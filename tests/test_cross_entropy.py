@@ -297,3 +297,14 @@ def test_the_weight_gradient_keeps_stocks_precision_over_many_chunks(monkeypatch
     stock = grads(lambda: stock_loss(hidden, weight, target), [weight])[1][0]
     error = lambda g: ((g.double() - want).norm() / want.norm()).item()
     assert error(ours) <= 1.5 * error(stock), (error(ours), error(stock))
+
+
+def test_the_cuda_backend_runs_its_heads_on_triton(monkeypatch):
+    """The CUDA C++ extension has no cross-entropy kernel: where it is the backend, the head's step is Triton's."""
+    from conftest import _load_backend
+
+    triton = _load_backend("triton", "cpu").module  # skips where Triton cannot run CPU tensors
+    monkeypatch.setitem(kernels._CHOSEN, "cpu", "cuda")
+    assert kernels.cross_entropy_implementation(torch.device("cpu")) is triton
+    monkeypatch.setitem(kernels._CHOSEN, "cpu", "cpp")
+    assert kernels.cross_entropy_implementation(torch.device("cpu")) is kernels.library.OPS

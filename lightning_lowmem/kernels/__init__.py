@@ -148,6 +148,15 @@ def implementation(device: torch.device) -> Any:
     return _triton_module() if name == "triton" else library.OPS
 
 
+def cross_entropy_implementation(device: torch.device) -> Any:
+    """What runs the cross-entropy step (``cross_entropy_grad_``) for tensors on ``device``: :func:`implementation`,
+    except that the CUDA C++ backend has no such kernel, so its heads run Triton's (where Triton can run; else the
+    reference)."""
+    if _chosen(str(device)) == "cuda" and _triton_unusable(device) is None:
+        return _triton_module()
+    return implementation(device)
+
+
 def autograd_in_cpp(x: torch.Tensor) -> bool:
     """Whether eager calls on ``x`` take the operators with autograd in C++ (``ms_norm``, ``affine_linear``,
     ``step_activation``, see :mod:`.library`): where a compiled extension serves its device and nothing is
