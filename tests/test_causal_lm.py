@@ -212,3 +212,28 @@ def test_a_head_that_costs_is_rolled_back_alone():
     assert {"gated MLP", "norm"} <= kept and report.saved_bytes_after < report.saved_bytes_before
     assert any(type(m).__name__ == "MSRMSNorm" for m in model.modules())
     assert_same_step(step(stock, inputs), step(model, inputs))
+
+
+def test_a_fully_masked_micro_batch_leaves_the_accumulated_gradients_stocks():
+    """Gradient accumulation over two micro-batches, the second with every label -100 (a completion-only sample
+    whose answer was truncated away), no num_items_in_batch: its loss is NaN as stock's, its gradients zero, so
+    the accumulated gradients are the first micro-batch's, finite, as stock's (they were NaN in all parameters)."""
+    stock = zoo.llama()
+    model = copy.deepcopy(stock)
+    first, masked = batch(zoo.VOCAB), batch(zoo.VOCAB)
+    masked["labels"][:] = -100
+    apply_lowmem(model, example_input=first)
+    assert fused_loss_of(model) is not None
+    losses = {}
+    for name, m in (("stock", stock), ("ours", model)):
+        m.train()
+        m.zero_grad(set_to_none=True)
+        for micro in (first, masked):
+            loss = m(**micro).loss / 2
+            loss.backward()
+        losses[name] = loss.detach()
+    assert losses["ours"].isnan() and losses["stock"].isnan()
+    for name, p in stock.named_parameters():
+        got = model.get_parameter(name).grad
+        assert got.isfinite().all(), name
+        torch.testing.assert_close(got, p.grad, rtol=1e-4, atol=1e-5 * p.grad.abs().max().item(), msg=name)
