@@ -318,19 +318,28 @@ at::Tensor dropout_op(const at::Tensor& x, double p, const at::Tensor& seed) {
 }
 
 #if !defined(LOWMEM_CUDA)
-// The per-row loss of fp32 logits, which are overwritten with the loss's gradient (see cross_entropy_grad).
+// The per-row loss of logits, which are overwritten with the loss's gradient (see cross_entropy_grad).
 at::Tensor cross_entropy_grad_op(at::Tensor& logits, const at::Tensor& target, int64_t ignore_index,
-                                 double label_smoothing, double softcap) {
+                                 double label_smoothing, double softcap, const std::optional<at::Tensor>& row_scale) {
   check_tensor("cross_entropy_grad_", "logits", logits);
   check_tensor("cross_entropy_grad_", "target", target);
-  TORCH_CHECK_VALUE(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.is_contiguous(),
-                    "cross_entropy_grad_: logits must be contiguous float32 rows, got ", logits.sizes(), " ",
-                    logits.scalar_type());
+  const auto dtype = logits.scalar_type();
+  TORCH_CHECK_VALUE(logits.dim() == 2 && logits.is_contiguous() &&
+                        (dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf),
+                    "cross_entropy_grad_: logits must be contiguous float32, bfloat16 or float16 rows, got ",
+                    logits.sizes(), " ", dtype);
   TORCH_CHECK_VALUE(target.scalar_type() == at::kLong && target.dim() == 1 && target.size(0) == logits.size(0),
                     "cross_entropy_grad_: target must be ", logits.size(0), " int64 values on ", logits.device());
   TORCH_CHECK_VALUE(label_smoothing >= 0.0 && label_smoothing <= 1.0 && softcap >= 0.0,
                     "cross_entropy_grad_: label_smoothing must be in [0, 1] and softcap >= 0, got ", label_smoothing,
                     ", ", softcap);
+  at::Tensor scale;
+  if (row_scale.has_value()) {
+    scale = row_scale->contiguous();
+    TORCH_CHECK_VALUE(scale.scalar_type() == at::kFloat && scale.dim() == 1 && scale.size(0) == logits.size(0) &&
+                          scale.device() == logits.device(),
+                      "cross_entropy_grad_: row_scale must be ", logits.size(0), " float32 values on ", logits.device());
+  }
   const at::Tensor targets = target.contiguous();
   if (logits.size(1) > 0) {
     const int64_t* t = targets.const_data_ptr<int64_t>();
@@ -339,8 +348,8 @@ at::Tensor cross_entropy_grad_op(at::Tensor& logits, const at::Tensor& target, i
                         t[r], " is out of bounds for ", logits.size(1), " classes");
     }
   }
-  at::Tensor loss = at::empty({logits.size(0)}, logits.options());
-  if (logits.numel() > 0) cross_entropy_grad(logits, targets, ignore_index, label_smoothing, softcap, loss);
+  at::Tensor loss = at::empty({logits.size(0)}, logits.options().dtype(at::kFloat));
+  if (logits.numel() > 0) cross_entropy_grad(logits, targets, ignore_index, label_smoothing, softcap, scale, loss);
   return loss;
 }
 #endif

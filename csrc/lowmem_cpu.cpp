@@ -820,6 +820,35 @@ void gated_backward_reduced_kernel(const T* grad, const T* gate, const T* second
   });
 }
 
+// A row of `n` values widened to fp32 (`dst`), and fp32 values times `scale` rounded into a row (in place for fp32).
+template <typename T>
+void load_row(const T* src, float* dst, int64_t n) {
+  using fVec = Vectorized<float>;
+  int64_t i = 0;
+  for (; i + Vectorized<T>::size() <= n; i += Vectorized<T>::size()) {
+    auto [a, b] = at::vec::convert_to_float<T>(Vectorized<T>::loadu(src + i));
+    a.store(dst + i);
+    b.store(dst + i + fVec::size());
+  }
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+template <typename T>
+void store_row(const float* src, float scale, T* dst, int64_t n) {
+  using fVec = Vectorized<float>;
+  const fVec scale_v(scale);
+  int64_t i = 0;
+  if constexpr (std::is_same_v<T, float>) {
+    for (; i + fVec::size() <= n; i += fVec::size()) (fVec::loadu(src + i) * scale_v).store(dst + i);
+  } else {
+    for (; i + Vectorized<T>::size() <= n; i += Vectorized<T>::size()) {
+      const fVec a = fVec::loadu(src + i) * scale_v, b = fVec::loadu(src + i + fVec::size()) * scale_v;
+      at::vec::convert_from_float<T>(a, b).store(dst + i);
+    }
+  }
+  for (; i < n; ++i) dst[i] = static_cast<T>(src[i] * scale);
+}
+
 // Cross-entropy of one row of logits, overwritten with its gradient: (capped and) summed and maxed in one
 // pass, exp-summed in a second, turned into softmax - (1 - eps) * onehot - eps / V (times the capping's slope
 // 1 - (c / cap)^2) in a third; the row stays in cache between them (a fused head passes rows of a chunk).
@@ -871,6 +900,34 @@ float cross_entropy_row(float* row, int64_t vocab, int64_t target, float eps, fl
   }
   row[target] -= (1.0f - eps) * (kCap ? 1.0f - (picked / cap) * (picked / cap) : 1.0f);
   return loss;
+}
+
+// Each row of a chunk: its loss, and the row overwritten with its gradient times its scale (a half-precision row is
+// worked on in fp32 in this thread's copy, in cache, then rounded back once).
+template <typename T>
+void cross_entropy_rows(T* rows, const int64_t* targets, int64_t ignore_index, int64_t count, int64_t vocab,
+                        float eps, float cap, const float* scales, float* losses) {
+  at::parallel_for(0, count, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> copy(std::is_same_v<T, float> ? 0 : vocab);
+    for (int64_t r = begin; r < end; ++r) {
+      T* row = rows + r * vocab;
+      if (targets[r] == ignore_index) {
+        std::fill(row, row + vocab, static_cast<T>(0.0f));
+        losses[r] = 0.0f;
+        continue;
+      }
+      float* work;
+      if constexpr (std::is_same_v<T, float>) {
+        work = row;
+      } else {
+        work = copy.data();
+        load_row(row, work, vocab);
+      }
+      losses[r] = cap > 0 ? cross_entropy_row<true>(work, vocab, targets[r], eps, cap)
+                          : cross_entropy_row<false>(work, vocab, targets[r], eps, cap);
+      if (scales != nullptr || !std::is_same_v<T, float>) store_row(work, scales ? scales[r] : 1.0f, row, vocab);
+    }
+  });
 }
 
 // Dropout: the Philox words of a block of counters computed structure-of-arrays (each round one loop over the
@@ -1094,24 +1151,23 @@ void dropout(const at::Tensor& x, double p, const at::Tensor& seed, at::Tensor& 
 }
 
 void cross_entropy_grad(at::Tensor& logits, const at::Tensor& target, int64_t ignore_index, double label_smoothing,
-                        double softcap, at::Tensor& loss) {
-  float* rows = logits.mutable_data_ptr<float>();
-  const int64_t* targets = target.const_data_ptr<int64_t>();
-  float* losses = loss.mutable_data_ptr<float>();
-  const int64_t vocab = logits.size(1);
-  const float eps = static_cast<float>(label_smoothing), cap = static_cast<float>(softcap);
-  at::parallel_for(0, logits.size(0), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      float* row = rows + r * vocab;
-      if (targets[r] == ignore_index) {
-        std::fill(row, row + vocab, 0.0f);
-        losses[r] = 0.0f;
-      } else {
-        losses[r] = cap > 0 ? cross_entropy_row<true>(row, vocab, targets[r], eps, cap)
-                            : cross_entropy_row<false>(row, vocab, targets[r], eps, cap);
-      }
-    }
-  });
+                        double softcap, const at::Tensor& row_scale, at::Tensor& loss) {
+  const float* scales = row_scale.defined() ? row_scale.const_data_ptr<float>() : nullptr;
+  const auto run = [&](auto* rows) {
+    cross_entropy_rows(rows, target.const_data_ptr<int64_t>(), ignore_index, logits.size(0), logits.size(1),
+                       static_cast<float>(label_smoothing), static_cast<float>(softcap), scales,
+                       loss.mutable_data_ptr<float>());
+  };
+  switch (logits.scalar_type()) {
+    case at::kFloat:
+      return run(logits.mutable_data_ptr<float>());
+    case at::kBFloat16:
+      return run(logits.mutable_data_ptr<at::BFloat16>());
+    case at::kHalf:
+      return run(logits.mutable_data_ptr<at::Half>());
+    default:
+      TORCH_CHECK_VALUE(false, "cross_entropy_grad: unsupported logits dtype ", logits.scalar_type());
+  }
 }
 
 }  // namespace lowmem

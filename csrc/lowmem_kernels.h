@@ -61,10 +61,11 @@ void norm_backward(const at::Tensor& grad, const at::Tensor& z, const at::Tensor
 
 #if !defined(LOWMEM_CUDA)
 // CPU only (a fused language-model head, lightning_lowmem/ops/cross_entropy.py): the cross-entropy of each row of
-// fp32 `logits` (softcap > 0: of softcap * tanh(logits / softcap)) against `target` into `loss`, and the row
-// overwritten with the loss's gradient with respect to it; rows whose target is ignore_index get 0 and 0.
+// `logits` (fp32, bf16 or fp16, computed in fp32; softcap > 0: of softcap * tanh(logits / softcap)) against `target`
+// into `loss` (fp32), and the row overwritten with the loss's gradient with respect to it, times the row's
+// `row_scale` (fp32, when defined), rounded once; rows whose target is ignore_index get 0 and 0.
 void cross_entropy_grad(at::Tensor& logits, const at::Tensor& target, int64_t ignore_index, double label_smoothing,
-                        double softcap, at::Tensor& loss);
+                        double softcap, const at::Tensor& row_scale, at::Tensor& loss);
 
 // CPU only (a norm with a frozen affine, lightning_lowmem/ops/norm.py): norm_forward writing y, not z, with y
 // rounded once from the unrounded z (as stock), and z at the `columns` (int64) of each row into `exact`

@@ -308,3 +308,35 @@ def test_the_cuda_backend_runs_its_heads_on_triton(monkeypatch):
     assert kernels.cross_entropy_implementation(torch.device("cpu")) is triton
     monkeypatch.setitem(kernels._CHOSEN, "cpu", "cpp")
     assert kernels.cross_entropy_implementation(torch.device("cpu")) is kernels.library.OPS
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_every_kernel_takes_half_precision_rows_and_a_row_scale(kernel_backend, dtype):
+    """The step on bf16/fp16 logits computes in fp32 and rounds the scaled gradient once, as the reference does
+    (the gradient stock's ``.float()`` backward casts back); the loss is fp32 and unscaled."""
+    device = kernel_backend.device
+    logits = (torch.randn(9, 517, device=device) * 4).to(dtype)
+    target = torch.randint(0, 517, (9,), device=device)
+    target[2] = -100
+    scale = torch.rand(9, device=device) + 0.5
+    for smoothing, cap in ((0.0, 0.0), (0.1, 0.0), (0.0, 7.0)):
+        want, got = logits.clone(), logits.clone()
+        want_loss = torch_ops.cross_entropy_grad_(want, target, -100, smoothing, cap, scale)
+        got_loss = kernel_backend.module.cross_entropy_grad_(got, target, -100, smoothing, cap, scale)
+        assert got.dtype == dtype and got_loss.dtype == torch.float32
+        torch.testing.assert_close(got_loss, want_loss, rtol=1e-5, atol=1e-5)
+        ulp = max(torch.finfo(dtype).eps, 1e-5)  # the fp32 values agree to ~1e-6; rounded once, one unit apart at most
+        torch.testing.assert_close(got.float(), want.float(), rtol=ulp, atol=1e-7)
+        torch.testing.assert_close(
+            want_loss, torch_ops.cross_entropy_grad_(logits.clone(), target, -100, smoothing, cap)
+        )
+        assert torch.equal(got[2], torch.zeros_like(got[2]))
+
+
+def test_a_bf16_step_rounds_its_gradient_once_as_stock_does():
+    """A bf16 head: the logits' gradient is rounded to bf16 once before the matmuls, as stock's ``.float()``
+    backward rounds it, so the hidden-state gradient is stock's to a bf16 rounding of the matmul."""
+    hidden, weight, target, _ = inputs(64, 32, 300, torch.bfloat16)
+    ours = grads(lambda: linear_cross_entropy(hidden, weight, target, reduction="sum"), [hidden])[1][0]
+    stock = grads(lambda: stock_loss(hidden, weight, target, reduction="sum"), [hidden])[1][0]
+    torch.testing.assert_close(ours, stock, rtol=2**-7, atol=1e-3 * stock.abs().max().item())

@@ -132,10 +132,18 @@ class KernelContract(Protocol):
         by calling it on the gradient with the same seed: nothing but the seed is saved."""
 
     def cross_entropy_grad_(
-        self, logits: torch.Tensor, target: torch.Tensor, ignore_index: int, label_smoothing: float, softcap: float
+        self,
+        logits: torch.Tensor,
+        target: torch.Tensor,
+        ignore_index: int,
+        label_smoothing: float,
+        softcap: float,
+        row_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """The per-row cross-entropy of ``logits`` (rows x vocabulary, fp32, contiguous; ``softcap > 0``: of
-        ``softcap * tanh(logits / softcap)``, Gemma 2's final capping) against ``target`` (int64 per row; a row whose
-        target is ``ignore_index`` has loss 0), with ``label_smoothing`` as ``F.cross_entropy`` takes it; fp32
-        log-sum-exp. ``logits`` is overwritten with the loss's gradient with respect to it (0 on ignored rows):
-        one chunk of a fused linear + cross-entropy never holds logits and their gradient at once."""
+        """The per-row cross-entropy (fp32) of ``logits`` (rows x vocabulary, fp32, bf16 or fp16, contiguous;
+        ``softcap > 0``: of ``softcap * tanh(logits / softcap)``, Gemma 2's final capping) against ``target`` (int64
+        per row; a row whose target is ``ignore_index`` has loss 0), with ``label_smoothing`` as ``F.cross_entropy``
+        takes it; fp32 math whatever the logits' dtype. ``logits`` is overwritten with the loss's gradient with
+        respect to it (0 on ignored rows), times ``row_scale`` (fp32, one per row) when given, rounded once to their
+        dtype: one chunk of a fused linear + cross-entropy never holds logits and their gradient at once, and a
+        bf16 chunk's gradient is what its matmuls read."""

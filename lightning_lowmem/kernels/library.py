@@ -56,7 +56,8 @@ SCHEMAS = {
     "stock_activation": "(Tensor x, str kind) -> Tensor",
     "dropout": "(Tensor x, float p, Tensor seed) -> Tensor",
     "cross_entropy_grad_": (
-        "(Tensor(a!) logits, Tensor target, int ignore_index, float label_smoothing, float softcap) -> Tensor"
+        "(Tensor(a!) logits, Tensor target, int ignore_index, float label_smoothing, float softcap,"
+        " Tensor? row_scale=None) -> Tensor"
     ),
 }
 
@@ -191,9 +192,14 @@ def _dropout_fake(x: torch.Tensor, p: float, seed: torch.Tensor) -> torch.Tensor
 
 @torch.library.register_fake(f"{NAMESPACE}::cross_entropy_grad_")
 def _cross_entropy_grad_fake(
-    logits: torch.Tensor, target: torch.Tensor, ignore_index: int, label_smoothing: float, softcap: float
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    ignore_index: int,
+    label_smoothing: float,
+    softcap: float,
+    row_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    return logits.new_empty(logits.shape[0])
+    return logits.new_empty(logits.shape[0], dtype=torch.float32)
 
 
 @torch.library.register_fake(f"{NAMESPACE}::stock_activation")

@@ -319,15 +319,29 @@ def dropout(x: torch.Tensor, p: float, seed: torch.Tensor) -> torch.Tensor:
     return torch.where(keep, kept, torch.zeros((), dtype=acc, device=x.device)).to(x.dtype)
 
 
+CROSS_ENTROPY_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+"""The logits the cross-entropy step takes (its loss and math are fp32 whatever they are)."""
+
+
 def check_cross_entropy(
-    logits: torch.Tensor, target: torch.Tensor, ignore_index: int, label_smoothing: float, softcap: float
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    ignore_index: int,
+    label_smoothing: float,
+    softcap: float,
+    row_scale: torch.Tensor | None = None,
 ) -> None:
-    if logits.dim() != 2 or logits.dtype != torch.float32 or not logits.is_contiguous():
+    if logits.dim() != 2 or logits.dtype not in CROSS_ENTROPY_DTYPES or not logits.is_contiguous():
         raise ValueError(
-            f"cross_entropy_grad_: logits must be contiguous float32 rows, got {tuple(logits.shape)} {logits.dtype}"
+            "cross_entropy_grad_: logits must be contiguous float32, bfloat16 or float16 rows, got "
+            f"{tuple(logits.shape)} {logits.dtype}"
         )
     if target.dtype != torch.int64 or target.shape != logits.shape[:1] or target.device != logits.device:
         raise ValueError(f"cross_entropy_grad_: target must be {logits.shape[0]} int64 values on {logits.device}")
+    if row_scale is not None and (
+        row_scale.dtype != torch.float32 or row_scale.shape != logits.shape[:1] or row_scale.device != logits.device
+    ):
+        raise ValueError(f"cross_entropy_grad_: row_scale must be {logits.shape[0]} float32 values on {logits.device}")
     if not 0.0 <= label_smoothing <= 1.0 or softcap < 0:
         raise ValueError(
             f"cross_entropy_grad_: label_smoothing must be in [0, 1] and softcap >= 0, got {label_smoothing}, {softcap}"
@@ -340,10 +354,16 @@ def check_cross_entropy(
 
 
 def cross_entropy_grad_(
-    logits: torch.Tensor, target: torch.Tensor, ignore_index: int, label_smoothing: float, softcap: float
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    ignore_index: int,
+    label_smoothing: float,
+    softcap: float,
+    row_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    check_cross_entropy(logits, target, ignore_index, label_smoothing, softcap)
-    capped = softcap * torch.tanh(logits / softcap) if softcap else logits
+    check_cross_entropy(logits, target, ignore_index, label_smoothing, softcap, row_scale)
+    rows = logits.float()
+    capped = softcap * torch.tanh(rows / softcap) if softcap else rows
     log_probs = torch.log_softmax(capped, dim=-1)
     ignored = target == ignore_index
     picked = log_probs.gather(1, target.masked_fill(ignored, 0).unsqueeze(1)).squeeze(1)
@@ -356,5 +376,7 @@ def cross_entropy_grad_(
     if softcap:
         grad.mul_(1 - (capped / softcap).square())
     grad.masked_fill_(ignored.unsqueeze(1), 0.0)
+    if row_scale is not None:
+        grad.mul_(row_scale.unsqueeze(1))
     logits.copy_(grad)
     return loss.masked_fill(ignored, 0.0)

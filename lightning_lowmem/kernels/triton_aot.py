@@ -79,9 +79,12 @@ def _launch_every_choice(triton_ops, torch_ops) -> None:
                     triton_ops.norm_forward(rows, dim, 1e-5, center, out)
                 for scale in (None, torch.ones(dim)):
                     triton_ops.norm_backward(rows, rows, rstd, scale, dim, center, torch.float32, False)
-    for vocab in sorted({triton_ops.cross_entropy_settings(n)[0] for n in lengths}):
-        for cap in (0.0, 30.0):
-            triton_ops.cross_entropy_grad_(torch.randn(2, vocab), torch.tensor([1, -100]), -100, 0.1, cap)
+    for dtype in torch_ops.CROSS_ENTROPY_DTYPES:
+        for vocab in sorted({triton_ops.cross_entropy_settings(n, dtype)[0] for n in lengths}):
+            for cap in (0.0, 30.0):
+                for scale in (None, torch.ones(2)):
+                    logits = torch.randn(2, vocab).to(dtype)
+                    triton_ops.cross_entropy_grad_(logits, torch.tensor([1, -100]), -100, 0.1, cap, scale)
 
 
 def configurations() -> list[dict[str, Any]]:

@@ -223,21 +223,26 @@ def _cross_entropy_grad_kernel(
     logits_ptr,
     target_ptr,
     loss_ptr,
+    scale_ptr,
     vocab,
     ignore_index,
     smoothing,
     softcap,
     SOFTCAP: tl.constexpr,
+    SCALED: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     # One row per program, two passes: the online max and sum of exponentials (and the sum for label smoothing),
-    # then the gradient written over the logits, as csrc's cross_entropy_row does.
+    # then the gradient (times the row's scale) written over the logits in their dtype, as csrc's
+    # cross_entropy_rows does; the math is fp32 whatever the logits' dtype.
     row_ptr = logits_ptr + tl.program_id(0).to(tl.int64) * vocab
     target = tl.load(target_ptr + tl.program_id(0))
     cols = tl.arange(0, BLOCK)
     if target == ignore_index:
         for start in range(0, vocab, BLOCK):
-            tl.store(row_ptr + start + cols, tl.zeros((BLOCK,), dtype=tl.float32), mask=start + cols < vocab)
+            tl.store(
+                row_ptr + start + cols, tl.zeros((BLOCK,), dtype=row_ptr.dtype.element_ty), mask=start + cols < vocab
+            )
         tl.store(loss_ptr + tl.program_id(0), 0.0)
     else:
         peak = float("-inf")
@@ -252,11 +257,12 @@ def _cross_entropy_grad_kernel(
         picked, _ = _capped(row_ptr + target, cols, 1, softcap, SOFTCAP)
         picked = tl.sum(tl.where(cols == 0, picked, 0.0), 0)
         loss = peak + tl.log(sum_exp) - (1.0 - smoothing) * picked - smoothing * total / vocab
+        scale = tl.load(scale_ptr + tl.program_id(0)) if SCALED else 1.0
         for start in range(0, vocab, BLOCK):
             x, slope = _capped(row_ptr, start + cols, vocab, softcap, SOFTCAP)
             g = tl.exp(x - peak) / sum_exp - smoothing / vocab
-            g = tl.where(start + cols == target, g - (1.0 - smoothing), g) * slope
-            tl.store(row_ptr + start + cols, g, mask=start + cols < vocab)
+            g = tl.where(start + cols == target, g - (1.0 - smoothing), g) * slope * scale
+            tl.store(row_ptr + start + cols, g.to(row_ptr.dtype.element_ty), mask=start + cols < vocab)
         tl.store(loss_ptr + tl.program_id(0), loss)
 
 
@@ -350,10 +356,12 @@ def norm_settings(dim: int) -> tuple[int, int]:
     return block, max(4, block // 256)
 
 
-def cross_entropy_settings(vocab: int) -> tuple[int, int]:
-    """Logits per chunk of a row (a power of two from :data:`MIN_ROW_BLOCK` to :data:`MAX_CE_BLOCK`) and warps:
-    at most 4 logits per thread from 1024 on (with fewer warps ptxas spills on sm_90 with a softcap)."""
-    block = min(max(triton.next_power_of_2(vocab), MIN_ROW_BLOCK), MAX_CE_BLOCK)
+def cross_entropy_settings(vocab: int, dtype: torch.dtype = torch.float32) -> tuple[int, int]:
+    """Logits per chunk of a row (a power of two from :data:`MIN_ROW_BLOCK` to :data:`MAX_CE_BLOCK`, half that for
+    16-bit logits) and warps: at most 4 logits per thread from 1024 on (with fewer warps ptxas spills on sm_90 with a
+    softcap; with 16-bit logits at 4096, on sm_100)."""
+    largest = MAX_CE_BLOCK if dtype == torch.float32 else MAX_CE_BLOCK // 2
+    block = min(max(triton.next_power_of_2(vocab), MIN_ROW_BLOCK), largest)
     return block, max(4, block // 128)
 
 
@@ -461,16 +469,22 @@ def dropout(x: torch.Tensor, p: float, seed: torch.Tensor) -> torch.Tensor:
 
 
 def cross_entropy_grad_(
-    logits: torch.Tensor, target: torch.Tensor, ignore_index: int, label_smoothing: float, softcap: float
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    ignore_index: int,
+    label_smoothing: float,
+    softcap: float,
+    row_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    torch_ops.check_cross_entropy(logits, target, ignore_index, label_smoothing, softcap)
+    torch_ops.check_cross_entropy(logits, target, ignore_index, label_smoothing, softcap, row_scale)
     loss = torch.empty(len(target), dtype=torch.float32, device=logits.device)
     if logits.numel() == 0:
         return loss.zero_()
-    block, warps = cross_entropy_settings(logits.shape[1])
+    block, warps = cross_entropy_settings(logits.shape[1], logits.dtype)
     with _launching_on("cross_entropy_grad_", logits):
         _cross_entropy_grad_kernel[(len(target),)](
-            logits, target.contiguous(), loss, logits.shape[1], ignore_index, label_smoothing, softcap,
-            SOFTCAP=softcap > 0, BLOCK=block, num_warps=warps,
+            logits, target.contiguous(), loss, loss if row_scale is None else row_scale.contiguous(), logits.shape[1],
+            ignore_index, label_smoothing, softcap, SOFTCAP=softcap > 0, SCALED=row_scale is not None, BLOCK=block,
+            num_warps=warps,
         )  # fmt: skip
     return loss

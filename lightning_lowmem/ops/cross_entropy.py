@@ -41,11 +41,12 @@ def chunk_rows(vocab: int) -> int:
 class _Chunks:
     """The head's terms ``(input, weight)`` (the hidden states and the head's weight, then a LoRA adapter's scaled
     ``lora_A`` output and ``lora_B`` weight) in the compute dtype (autocast's, else the promoted one, as
-    ``F.linear`` would run), cast once, and what each chunk of rows needs: its fp32 logits ``sum(input @ weight.T)
-    + bias`` (in one reused buffer), then from their gradient each input's gradient rows and each weight's and the
-    bias's gradient, accumulated in place: a weight's in ``accum_dtype`` (default the compute dtype), each chunk's
-    product computed in the compute dtype and added (in the compute dtype itself, added by ``addmm_``: no
-    weight-sized temporary per chunk, but the rounding error grows with the number of chunks)."""
+    ``F.linear`` would run), cast once, and what each chunk of rows needs: its logits ``sum(input @ weight.T) +
+    bias`` in the compute dtype (as stock's before its ``.float()``; fp32 for fp64), written into one reused buffer,
+    then from their gradient (which the cross-entropy step writes over them, in that dtype) each input's gradient
+    rows and each weight's and the bias's gradient, accumulated in place: a weight's in ``accum_dtype`` (default
+    the compute dtype), each chunk's product computed in the compute dtype and added (in the compute dtype itself,
+    added by ``addmm_``: no weight-sized temporary per chunk, but the rounding error grows with the chunks)."""
 
     def __init__(
         self,
@@ -61,7 +62,8 @@ class _Chunks:
         self.bias = None if bias is None else bias.to(dtype)
         self.rows, self.vocab = hidden.shape[0], weight.shape[0]
         self.step = chunk_rows(self.vocab)
-        self.buffer = hidden.new_empty((min(self.step, self.rows), self.vocab), dtype=torch.float32)
+        kept = dtype if dtype in kernels.torch_ops.CROSS_ENTROPY_DTYPES else torch.float32
+        self.buffer = hidden.new_empty((min(self.step, self.rows), self.vocab), dtype=kept)
         self.needs = needs  # per input, weight of each term, then the bias
         self.sums: list[torch.Tensor | None] = [None] * len(needs)  # the weights' and the bias's gradients
         self.input_grads = [torch.empty_like(i) if needs[2 * k] else None for k, (i, _) in enumerate(terms)]
@@ -70,24 +72,31 @@ class _Chunks:
         return (slice(start, start + self.step) for start in range(0, self.rows, self.step))
 
     def logits(self, part: slice) -> torch.Tensor:
-        """The fp32 logits of rows ``part``, rounded in the compute dtype first, as stock's ``.float()``."""
+        """The logits of rows ``part`` in the buffer, computed in the compute dtype, as stock's before ``.float()``."""
         (hidden, weight), *low_rank = self.terms
+        rows = hidden[part]
+        out = self.buffer[: rows.shape[0]]
         with torch.autocast(hidden.device.type, enabled=False):
-            logits = F.linear(hidden[part], weight, self.bias)
-            for inputs, low_weight in low_rank:
-                logits = logits + F.linear(inputs[part], low_weight)
-        return self.buffer[: logits.shape[0]].copy_(logits)
+            if low_rank or out.dtype != rows.dtype:  # an adapter's term rounded apart, as stock adds it
+                logits = F.linear(rows, weight, self.bias)
+                for inputs, low_weight in low_rank:
+                    logits = logits + F.linear(inputs[part], low_weight)
+                return out.copy_(logits)
+            if self.bias is None:
+                return torch.mm(rows, weight.t(), out=out)
+            return torch.addmm(self.bias, rows, weight.t(), out=out)
 
     def add_grads(self, part: slice, grad: torch.Tensor) -> None:
-        """The gradients from this chunk's logits' gradient ``grad`` (fp32)."""
+        """The gradients from this chunk's logits' gradient ``grad`` (in the buffer's dtype)."""
         with torch.autocast(grad.device.type, enabled=False):
             for k, (inputs, weight) in enumerate(self.terms):
+                low = grad.to(weight.dtype)
                 if self.input_grads[k] is not None:
-                    self.input_grads[k][part] = torch.mm(grad.to(weight.dtype), weight)
+                    self.input_grads[k][part] = torch.mm(low, weight)
                 if self.needs[2 * k + 1]:
-                    self._accumulate(2 * k + 1, grad.t().to(inputs.dtype), inputs[part])
+                    self._accumulate(2 * k + 1, low.t(), inputs[part])
             if self.needs[-1]:
-                sums = grad.sum(0)
+                sums = grad.sum(0, dtype=torch.float32)
                 self.sums[-1] = sums if self.sums[-1] is None else self.sums[-1].add_(sums)
 
     def _accumulate(self, index: int, grad_t: torch.Tensor, inputs: torch.Tensor) -> None:
@@ -141,22 +150,27 @@ class _Loss:
         return self.class_weight.float().gather(0, target.masked_fill(~kept, 0)) * kept
 
     def step(self, impl, logits: torch.Tensor, target: torch.Tensor, ce_scale, z_scale) -> tuple[torch.Tensor, float]:
-        """Turn ``logits`` (fp32, a chunk) in place into the gradient of the rows' loss, its cross-entropy part scaled
-        by ``ce_scale`` and its z-loss part by ``z_scale``; return the rows' losses (unscaled) and their z-loss
-        part's sum."""
+        """Turn ``logits`` (a chunk, in the buffer) in place into the gradient of the rows' loss, its cross-entropy
+        part scaled by ``ce_scale`` and its z-loss part by ``z_scale`` (numbers, or one per row); return the rows'
+        losses (unscaled) and their z-loss part's sum."""
         z_grad = None
         if self.z_loss:  # d(lse^2)/dlogits = 2 lse softmax(capped) (1 - tanh^2) before the kernel overwrites them
-            squash = torch.tanh(logits / self.softcap) if self.softcap else None
-            capped = logits.clone() if squash is None else squash * self.softcap
+            rows = logits.to(torch.float32, copy=True)
+            squash = torch.tanh(rows / self.softcap) if self.softcap else None
+            capped = rows if squash is None else squash * self.softcap
             lse = torch.logsumexp(capped, dim=1)
             z_grad = capped.sub_(lse.unsqueeze(1)).exp_()
             if squash is not None:
                 z_grad.mul_(1 - squash.square_())
-        losses = impl.cross_entropy_grad_(logits, target, self.ignore_index, self.smoothing, self.softcap)
-        weights = self.row_weights(target)
-        if self.class_weight is not None:
+        weights = None if self.class_weight is None else self.row_weights(target)
+        scale = ce_scale if weights is None else weights * ce_scale
+        if isinstance(scale, torch.Tensor):
+            scale = scale.float().expand(len(target)).contiguous()
+        else:  # the sum's (and the forward's of "none"): 1
+            scale = None
+        losses = impl.cross_entropy_grad_(logits, target, self.ignore_index, self.smoothing, self.softcap, scale)
+        if weights is not None:
             losses = losses * weights
-        logits.mul_((weights * ce_scale).unsqueeze(1))
         if z_grad is None:
             return losses, 0.0
         kept = target != self.ignore_index
@@ -232,8 +246,8 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             impl = kernels.cross_entropy_implementation(target.device)
             for part in chunks:
                 logits = chunks.logits(part)
-                loss.step(impl, logits, target[part], 1.0, 1.0)
-                chunks.add_grads(part, logits.mul_(upstream[part].unsqueeze(1)))
+                loss.step(impl, logits, target[part], upstream[part], upstream[part])
+                chunks.add_grads(part, logits)
             *grads, grad_bias = chunks.grads(operands, bias)
             return (None,) * (_OPERANDS - 1) + (grad_bias, *grads)
         *grads, grad_bias = ctx.saved_tensors
