@@ -28,14 +28,14 @@ from lightning_lowmem.ops.autocast import autocast_dtype
 
 REDUCTIONS = ("mean", "sum", "none")
 CHUNK_BYTES = 128 << 20
-"""fp32 logits per chunk: enough rows that the chunk's matmuls run as fast as whole ones (each chunk reads the
-whole weight; at 32 rows of a 64k vocabulary the head took 1.2-1.7x stock's time on CPU, at 128 MiB 0.6-1.0x),
-a small share of stock's logits and their gradient at long sequences."""
+"""Logits per chunk (in the compute dtype): enough rows that the chunk's matmuls run as fast as whole ones (each
+chunk reads the whole weight; at 32 rows of a 64k vocabulary the head took 1.2-1.7x stock's time on CPU, at 128 MiB
+0.6-1.0x), a small share of stock's logits and their gradient at long sequences."""
 
 
-def chunk_rows(vocab: int) -> int:
-    """Rows per chunk: :data:`CHUNK_BYTES` of fp32 logits, at least 8."""
-    return max(8, CHUNK_BYTES // (4 * max(vocab, 1)))
+def chunk_rows(vocab: int, itemsize: int = 4) -> int:
+    """Rows per chunk: :data:`CHUNK_BYTES` of logits of ``itemsize`` bytes, at least 8."""
+    return max(8, CHUNK_BYTES // (itemsize * max(vocab, 1)))
 
 
 class _Chunks:
@@ -61,8 +61,8 @@ class _Chunks:
         self.terms = [(i.to(dtype), w.to(dtype)) for i, w in terms]
         self.bias = None if bias is None else bias.to(dtype)
         self.rows, self.vocab = hidden.shape[0], weight.shape[0]
-        self.step = chunk_rows(self.vocab)
         kept = dtype if dtype in kernels.torch_ops.CROSS_ENTROPY_DTYPES else torch.float32
+        self.step = chunk_rows(self.vocab, kept.itemsize)
         self.buffer = hidden.new_empty((min(self.step, self.rows), self.vocab), dtype=kept)
         self.needs = needs  # per input, weight of each term, then the bias
         self.sums: list[torch.Tensor | None] = [None] * len(needs)  # the weights' and the bias's gradients
@@ -100,8 +100,9 @@ class _Chunks:
                 self.sums[-1] = sums if self.sums[-1] is None else self.sums[-1].add_(sums)
 
     def _accumulate(self, index: int, grad_t: torch.Tensor, inputs: torch.Tensor) -> None:
-        if self.sums[index] is None:
-            self.sums[index] = torch.mm(grad_t, inputs).to(self.accum_dtype)
+        if self.sums[index] is None:  # one chunk of all rows: nothing to accumulate
+            product = torch.mm(grad_t, inputs)
+            self.sums[index] = product if self.rows <= self.step else product.to(self.accum_dtype)
         elif self.sums[index].dtype == inputs.dtype:
             self.sums[index].addmm_(grad_t, inputs)
         else:
