@@ -64,7 +64,7 @@ CASES = [
 @pytest.mark.parametrize(("options", "head"), CASES)
 @pytest.mark.parametrize("bias", [False, True], ids=["", "bias"])
 def test_loss_and_gradients_are_no_worse_than_stocks_against_float64(dtype, options, head, bias, monkeypatch):
-    monkeypatch.setattr(cross_entropy, "CHUNK_BYTES", 4 * 97 * 9)  # several chunks of 9 rows, a short last one
+    monkeypatch.setattr(cross_entropy, "chunk_rows", lambda *_: 9)  # several chunks of 9 rows, a short last one
     hidden, weight, target, b = inputs(40, 24, 97, dtype, bias=bias)
     tensors = [t for t in (hidden, weight, b) if t is not None]
     upstream = torch.randn(40) if options["reduction"] == "none" else None
@@ -108,7 +108,7 @@ def test_reduction_none_is_right_for_any_upstream_gradient_with_and_without_a_tr
 def test_a_lora_term_gets_stocks_loss_and_gradients(reduction, base, monkeypatch):
     """``lora=(a, b)``: the logits of a LoRA-adapted head, ``hidden @ weight.T + a @ b.T``, with ``a``, ``b`` and
     ``hidden`` trained; over several chunks, for any upstream gradient."""
-    monkeypatch.setattr(cross_entropy, "CHUNK_BYTES", 4 * 61 * 7)
+    monkeypatch.setattr(cross_entropy, "chunk_rows", lambda *_: 7)
     hidden, weight, target, bias = inputs(30, 16, 61, torch.float32, bias=True)
     weight.requires_grad_(base == "trained")
     a, b = torch.randn(30, 4, requires_grad=True), torch.randn(61, 4, requires_grad=True)
@@ -210,7 +210,7 @@ def backend(request, monkeypatch) -> str:
 @pytest.mark.parametrize("extra", [{}, {"z_loss": 1e-3}, {"class_weight": True}], ids=["", "z-loss", "weights"])
 def test_nothing_to_learn_gives_stocks_zero_gradients(backend, reduction, extra, monkeypatch):
     """Every target ignored: stock's loss (NaN for the mean) and zero gradients, not NaN ones; several chunks."""
-    monkeypatch.setattr(cross_entropy, "CHUNK_BYTES", 4 * 11 * 3)
+    monkeypatch.setattr(cross_entropy, "chunk_rows", lambda *_: 3)
     hidden, weight, target, bias = inputs(8, 6, 11, torch.float32, ignored=1.0, bias=True)
     options = {**extra, "class_weight": torch.rand(11)} if "class_weight" in extra else extra
     upstream = torch.ones(8) if reduction == "none" else None
@@ -250,7 +250,7 @@ def reference_loss(hidden, weight, target, bias=None, softcap=None, class_weight
     ids=["z-loss", "weights", "weights-z-loss-softcap"],
 )
 def test_class_weights_and_z_loss_match_the_float64_reference(backend, reduction, options, monkeypatch):
-    monkeypatch.setattr(cross_entropy, "CHUNK_BYTES", 4 * 37 * 7)  # chunks of 7 rows, a short last one
+    monkeypatch.setattr(cross_entropy, "chunk_rows", lambda *_: 7)  # chunks of 7 rows, a short last one
     hidden, weight, target, bias = inputs(30, 12, 37, torch.float32, bias=True)
     options = {**options, "class_weight": torch.rand(37) + 0.1} if "class_weight" in options else options
     tensors = [hidden, weight, bias]
@@ -275,6 +275,12 @@ def test_token_accuracy_is_the_share_of_kept_rows_predicted():
     torch.testing.assert_close(loss, stock_loss(hidden, weight, target))
 
 
+def test_a_chunk_holds_128_mib_of_logits_or_the_weights_values_if_more():
+    assert cross_entropy.chunk_rows(32_000, 512, 2) == (128 << 20) // (2 * 32_000)
+    assert cross_entropy.chunk_rows(131_072, 1024, 4) == 1024  # a 512 MiB fp32 weight: 512 MiB of logits
+    assert cross_entropy.chunk_rows(1 << 30, 4, 4) == 8
+
+
 def test_bad_class_weights_and_z_loss_are_refused():
     hidden, weight, target, _ = inputs(8, 4, 10, torch.float32)
     with pytest.raises(ValueError, match="one weight per class \\(10,\\)"):
@@ -289,7 +295,7 @@ def test_the_weight_gradient_keeps_stocks_precision_over_many_chunks(monkeypatch
     """bf16, 256 chunks: the head's weight gradient, accumulated in fp32, within 1.5x stock's error against fp64
     (accumulated in bf16 it grows with the chunks: benchmarks/cross_entropy.py --precision)."""
     rows, vocab = 4096, 256
-    monkeypatch.setattr(cross_entropy, "CHUNK_BYTES", 2 * vocab * (rows // 256))  # bf16 logits
+    monkeypatch.setattr(cross_entropy, "chunk_rows", lambda *_: rows // 256)
     hidden, weight, target, _ = inputs(rows, 64, vocab, torch.bfloat16, ignored=0.0)
     exact = weight.detach().double().requires_grad_()
     want = grads(lambda: reference_loss(hidden.detach().double(), exact, target), [exact])[1][0]
