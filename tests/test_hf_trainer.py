@@ -11,7 +11,7 @@ from benchmarks import zoo
 from lightning_lowmem.nn.causal_lm import fused_loss_of
 
 transformers = pytest.importorskip("transformers")
-from lightning_lowmem.hf import LowMemCallback  # noqa: E402
+from lightning_lowmem.hf import LowMemCallback
 
 STEPS, BATCH, ACCUMULATION = 5, 2, 2
 
