@@ -69,6 +69,7 @@ def op_samples(dtype: torch.dtype) -> dict[str, list[tuple]]:
         "cross_entropy_grad_": [
             (torch.randn(6, 40), torch.tensor([1, 2, -100, 39, 0, 5]), -100, 0.0, 0.0),
             (torch.randn(6, 40), torch.tensor([1, 2, 3, 39, 0, 5]), -100, 0.1, 30.0),
+            (torch.randn(6, 40).bfloat16(), torch.tensor([1, 2, -100, 39, 0, 5]), -100, 0.0, 30.0, torch.rand(6)),
         ],
         **autograd_samples(x),
     }
