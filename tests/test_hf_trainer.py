@@ -9,6 +9,7 @@ import torch
 
 from benchmarks import zoo
 from lightning_lowmem.nn.causal_lm import fused_loss_of
+from lightning_lowmem.surgery.convert import Surgery
 
 transformers = pytest.importorskip("transformers")
 from lightning_lowmem.hf import LowMemCallback
@@ -70,3 +71,53 @@ def test_options_reach_the_surgery_and_bad_ones_are_refused(tmp_path):
     assert "head" not in kinds and "gated MLP" not in kinds and "norm" in kinds
     with pytest.raises(TypeError, match="LowMemCallback: unknown option 'bit'"):
         LowMemCallback(bit=2)
+
+
+def test_trls_sft_trainer_keeps_its_own_fused_head_and_trains_with_the_rest_converted(tmp_path):
+    """TRL's SFTTrainer (1.16) patches the model's forward with its own fused LM head (``fused_lm_head=True``): the
+    head is left alone with why (and TRL's patch stays), the norms and gated MLPs convert, and the run's losses are
+    stock's to rounding (the exact ops' last-bit differences, grown by 5 Adam steps at lr 1e-2: ~5e-5)."""
+    trl = pytest.importorskip("trl")
+    datasets = pytest.importorskip("datasets")
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers.models import WordLevel
+
+    words = tokenizers.Tokenizer(WordLevel({f"t{i}": i for i in range(zoo.VOCAB)}, unk_token="t3"))
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=words, pad_token="t0", bos_token="t1", eos_token="t2", unk_token="t3"
+    )
+    samples = Samples()
+    rows = [{"input_ids": samples[i]["input_ids"].tolist(), "labels": samples[i]["labels"].tolist()} for i in range(20)]
+
+    def run(callbacks: list) -> tuple[list[float], torch.nn.Module]:
+        torch.manual_seed(0)
+        model = zoo.lora(zoo.llama(), zoo.LLAMA_LINEARS, random_b=True)
+        args = trl.SFTConfig(
+            output_dir=str(tmp_path), per_device_train_batch_size=BATCH, gradient_accumulation_steps=ACCUMULATION,
+            max_steps=STEPS, learning_rate=1e-2, logging_steps=1, report_to=[], use_cpu=True, save_strategy="no",
+            seed=0, disable_tqdm=True, dataset_kwargs={"skip_prepare_dataset": True}, max_length=None,
+        )  # fmt: skip
+        trainer = trl.SFTTrainer(model=model, args=args, train_dataset=datasets.Dataset.from_list(rows),
+                                 processing_class=tokenizer, callbacks=callbacks)  # fmt: skip
+        trainer.train()
+        return [log["loss"] for log in trainer.state.log_history if "loss" in log], model
+
+    callback = LowMemCallback()
+    stock_losses, _ = run([])
+    losses, model = run([callback])
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(stock_losses), rtol=1e-3, atol=0)
+    head = next(e for e in callback.report.entries if e.kind == "head")
+    assert head.status == "left alone" and "patched by another library" in head.detail
+    assert "forward" in model.base_model.model.__dict__ and fused_loss_of(model.base_model.model) is None
+    assert {"gated MLP", "norm"} <= {e.kind for e in callback.report.converted}
+
+
+def test_a_rollback_puts_back_another_librarys_patched_forward():
+    model = zoo.llama()
+    ids = zoo.tokens()
+    patched = model.forward  # a bound method held by the instance, as TRL's and accelerate's patches are
+    model.forward = patched
+    surgery = Surgery(model)
+    surgery.override(model, "forward", lambda *a, **k: None)
+    surgery.rollback()
+    assert model.__dict__["forward"] is patched and model(input_ids=ids).logits is not None

@@ -49,8 +49,9 @@ class Surgery:
         setattr(obj, attr, value)
 
     def override(self, obj: object, attr: str, value: object) -> None:
-        """Shadow a class attribute (a method) on the instance; rollback deletes the shadow."""
-        self.undo.append((obj, attr, _SHADOWED))
+        """Shadow a class attribute (a method) on the instance; rollback deletes the shadow (or puts back what the
+        instance held, another library's patch)."""
+        self.undo.append((obj, attr, vars(obj).get(attr, _SHADOWED)))
         setattr(obj, attr, value)
 
     def keep_hooks(self, handles: Iterable[RemovableHandle]) -> None:

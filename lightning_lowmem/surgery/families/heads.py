@@ -26,6 +26,8 @@ def fusable_head(model: nn.Module) -> nn.Module:
     layer (a floating 2-d weight of its own or tied to the embedding, an optional bias; FSDP2-sharded or not)."""
     if not heads.standard_loss(model):
         raise NotConvertible(f"its loss is not transformers' {heads.STANDARD_LOSS}")
+    if "forward" in model.__dict__:
+        raise NotConvertible("its forward is patched by another library (TRL's fused LM head?): kept as it is")
     head = model.get_output_embeddings()
     if head is None:
         raise NotConvertible("it has no output embeddings (head)")
