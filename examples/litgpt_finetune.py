@@ -122,3 +122,5 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
 if __name__ == "__main__":
     main()
+    if torch.distributed.is_initialized():  # gloo's worker threads, still holding tensors at interpreter shutdown,
+        torch.distributed.destroy_process_group()  # abort the process now and then (pytorch/pytorch#179291)
