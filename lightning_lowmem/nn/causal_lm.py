@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_lowmem.nn.adapters import adapter_of
+from lightning_lowmem.nn.adapters import adapter_of, linear_head_operands
 from lightning_lowmem.ops.cross_entropy import linear_cross_entropy
 
 
@@ -51,9 +51,7 @@ def head_operands(head: nn.Module, hidden: torch.Tensor) -> tuple[torch.Tensor, 
     """The ``head``'s weight and bias as :func:`linear_cross_entropy` takes them and, for a LoRA-adapted head, its
     adapter's term ``(scaling * lora_A(dropout(hidden)), lora_B.weight)`` (its library's adapter computes it)."""
     adapter = adapter_of(head)
-    if adapter is None:
-        return head.weight, getattr(head, "bias", None), None
-    return adapter.head_operands(head, hidden)
+    return linear_head_operands(head) if adapter is None else adapter.head_operands(head, hidden)
 
 
 class FusedLossForward:

@@ -5,6 +5,7 @@ them in order without knowing what they are for (:func:`~.apply.run`).
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -15,11 +16,12 @@ from lightning_lowmem.surgery.convert import Surgery
 from lightning_lowmem.surgery.report import Entry
 
 
-class Change:
+class Change(ABC):
     """One change to the model."""
 
+    @abstractmethod
     def apply(self, surgery: Surgery) -> None:
-        raise NotImplementedError
+        """Make the change through ``surgery``, which can undo it."""
 
 
 @dataclass(frozen=True)

@@ -139,14 +139,23 @@ def unnamed_activation(module: nn.Module) -> Activation | None:
         return None
 
 
-def _input_width(layer: nn.Module) -> int | None:
-    """The input features of a linear-like ``layer``: its ``in_features``, else those of its first 2-d floating
-    Parameter, read as ``nn.Linear``'s weight (a hand-written LoRA layer's base weight)."""
+def input_width(layer: nn.Module) -> int | None:
+    """The input width of a linear layer (plain, LoRA-wrapped, quantized) or a norm, if it says."""
     width = getattr(layer, "in_features", None)
     if isinstance(width, int):
         return width
+    shape = getattr(layer, "normalized_shape", None)
+    if isinstance(shape, (tuple, list)) and len(shape) == 1 and isinstance(shape[0], int):
+        return shape[0]
+    inner = next((getattr(layer, name) for name in ("linear", "base_layer") if hasattr(layer, name)), None)
+    return input_width(inner) if isinstance(inner, nn.Module) else None
+
+
+def _projection_width(layer: nn.Module) -> int | None:
+    """The input features of a gated MLP's first projection: :func:`input_width`, else those of its first 2-d
+    floating Parameter read as ``nn.Linear``'s weight (a hand-written LoRA layer's base weight)."""
     weight = next((p for p in layer.parameters() if p.dim() == 2 and p.is_floating_point()), None)
-    return None if weight is None else weight.shape[1]
+    return input_width(layer) or (None if weight is None else weight.shape[1])
 
 
 def fused_gated_mlp(stock: nn.Module, layout: GatedLayout, build: type[GatedMLPBase]) -> GatedMLPBase:
@@ -164,7 +173,7 @@ def fused_gated_mlp(stock: nn.Module, layout: GatedLayout, build: type[GatedMLPB
         raise NotConvertible(f"the fused product has no kernel for {activation.label}")
     first = stock._modules[layout.first]
     parameter = next(first.parameters(), None)
-    width = _input_width(first)
+    width = _projection_width(first)
     if parameter is None or width is None:
         raise NotConvertible("its first projection is not a linear layer")
     new = build.from_stock(stock, activation.name)

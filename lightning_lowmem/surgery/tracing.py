@@ -18,7 +18,7 @@ import torch
 from torch import fx, nn
 
 from lightning_lowmem.surgery.example import probe_mode
-from lightning_lowmem.surgery.identify import NotConvertible
+from lightning_lowmem.surgery.identify import NotConvertible, input_width
 
 _TORCH = str(Path(torch.__file__).parent)
 
@@ -57,25 +57,13 @@ def operand(node: fx.Node) -> str:
     return str(node.target) if node.op == "call_module" else node.name
 
 
-def _in_features(layer: nn.Module) -> int | None:
-    """The input width of a linear layer (plain, LoRA-wrapped, quantized) or a norm, if it says."""
-    width = getattr(layer, "in_features", None)
-    if isinstance(width, int):
-        return width
-    shape = getattr(layer, "normalized_shape", None)
-    if isinstance(shape, (tuple, list)) and len(shape) == 1 and isinstance(shape[0], int):
-        return shape[0]
-    inner = next((getattr(layer, name) for name in ("linear", "base_layer") if hasattr(layer, name)), None)
-    return _in_features(inner) if isinstance(inner, nn.Module) else None
-
-
 def _check(module: nn.Module, graph: fx.Graph, function: Callable[..., Any], width: int | None) -> None:
     """The rewritten forward computes what the stock one does (eval mode, a random input of ``width``, else the
     width of the first layer reading the input), or :class:`NotConvertible`."""
     if width is None:
         first = next((n for n in graph.nodes if n.op == "placeholder"), None)
         reader = next((u for u in first.users if u.op == "call_module"), None) if first is not None else None
-        width = _in_features(module.get_submodule(reader.target)) if reader is not None else None
+        width = input_width(module.get_submodule(reader.target)) if reader is not None else None
     parameter = next((p for p in module.parameters() if p.is_floating_point()), None)
     if width is None or parameter is None:
         raise NotConvertible(

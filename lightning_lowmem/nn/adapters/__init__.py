@@ -12,6 +12,7 @@ recognised by what they hold.
 from __future__ import annotations
 
 import pkgutil
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from importlib import import_module
@@ -36,19 +37,19 @@ class Fold:
     refused: str | None = None
 
 
-class LinearAdapter:
+class LinearAdapter(ABC):
     """One library's linear-like layers. Every method takes a layer :meth:`matches` accepted."""
 
     name: ClassVar[str]  # the library, for the report
     generic: ClassVar[bool] = False  # the plain linear layer: asked last
-    installs_forward: ClassVar[bool] = False  # the surgery installs :meth:`forward` on its layers
 
+    @abstractmethod
     def matches(self, layer: nn.Module) -> bool:
-        raise NotImplementedError
+        """Whether ``layer`` is one of this library's."""
 
+    @abstractmethod
     def saves_its_input(self, layer: nn.Module) -> bool:
         """Whether the layer saves its very input tensor for backward (a gated product read by it then shares)."""
-        raise NotImplementedError
 
     def reads_linearly(self, layer: nn.Module) -> bool:
         """Whether the layer, called on a memory-sharing norm's output, shares it as a whole (its installed
@@ -60,13 +61,8 @@ class LinearAdapter:
         """The dropouts of the layer's adapters, each with where it folds or why it cannot."""
         return iter(())
 
-    def forward(self, layer: nn.Module, norm: nn.Module | None, dropout: float) -> Callable[..., Any]:
-        """The forward to install on the layer so that it shares ``norm``'s ``z`` and takes in a folded dropout of
-        probability ``dropout`` (for adapters that :attr:`installs_forward`)."""
-        raise NotImplementedError
-
     def installed(self, layer: nn.Module) -> bool:
-        """Whether the layer runs the forward the surgery installs (an earlier run converted it)."""
+        """Whether an earlier run converted the layer (it runs the forward the surgery installed)."""
         return False
 
     def passes_casts(self, layer: nn.Module) -> bool:
@@ -80,11 +76,26 @@ class LinearAdapter:
 
     def head_operands(self, layer: nn.Module, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, Any]:
         """``(weight, bias, lora)`` of the layer as a language-model head, for the fused linear + cross-entropy."""
-        raise NotImplementedError
+        return linear_head_operands(layer)
 
     def head_refusal(self, layer: nn.Module) -> str | None:
         """Why the fused loss cannot take the layer as a head (``None``: it can, by :meth:`head_operands`)."""
         return f"its head is a {type(layer).__name__}, not a linear layer (kept stock, with its logits)"
+
+
+class ForwardAdapter(LinearAdapter):
+    """A library whose layers compute their adapter with Parameters in their own forward (LitGPT's): the surgery
+    installs :meth:`forward` on them."""
+
+    @abstractmethod
+    def forward(self, layer: nn.Module, norm: nn.Module | None, dropout: float) -> Callable[..., Any]:
+        """The forward to install on the layer so that it shares ``norm``'s ``z`` and takes in a folded dropout of
+        probability ``dropout``."""
+
+
+def linear_head_operands(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, None]:
+    """A head that is a linear layer (its own or a tied weight, an optional bias), as the fused loss takes it."""
+    return layer.weight, getattr(layer, "bias", None), None
 
 
 def not_a_linear_head(layer: nn.Module) -> str | None:

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from lightning_lowmem.nn.adapters import LinearAdapter, not_a_linear_head
@@ -19,9 +18,6 @@ class PlainLinear(LinearAdapter):
     def saves_its_input(self, layer: nn.Module) -> bool:
         """A frozen linear saves nothing (its input gradient needs only the weight)."""
         return layer.weight.requires_grad
-
-    def head_operands(self, layer: nn.Module, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, None]:
-        return layer.weight, layer.bias, None
 
     def head_refusal(self, layer: nn.Module) -> str | None:
         return not_a_linear_head(layer)

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from lightning_lowmem.nn.adapters import Fold, LinearAdapter
+from lightning_lowmem.nn.adapters import Fold, ForwardAdapter
 from lightning_lowmem.nn.linear import shared_linear
 from lightning_lowmem.nn.norm import MemorySharingNorm
 from lightning_lowmem.ops.dropout import check_probability
@@ -52,9 +52,8 @@ def saves_its_input(layer: nn.Module) -> bool:
     return adapts(layer) and layer.lora_A.requires_grad and dropout_probability(layer) == 0
 
 
-class LitGPTLoRA(LinearAdapter):
+class LitGPTLoRA(ForwardAdapter):
     name = "LitGPT"
-    installs_forward = True
 
     def matches(self, layer: nn.Module) -> bool:
         return is_lora_layer(layer)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from lightning_lowmem.nn.adapters import LinearAdapter, adapter_of
+from lightning_lowmem.nn.adapters import ForwardAdapter, LinearAdapter, adapter_of
 from lightning_lowmem.surgery.changes import SetAttribute
 from lightning_lowmem.surgery.families.base import Candidates, Family, foldable
 from lightning_lowmem.surgery.identify import is_plain
@@ -42,7 +42,7 @@ class Adapters(Family):
             adapter = adapter_of(layer)
             if adapter is None or adapter.generic or found.already_converted(name):
                 continue
-            installs = adapter.installs_forward
+            installs = isinstance(adapter, ForwardAdapter)
             if installs and options.lora and options.selected(name) and is_plain(layer):
                 layers[name] = 0.0
                 found.linear_readers.add(name)

@@ -79,13 +79,8 @@ def _product(node: object, module: nn.Module) -> _Product | None:
     if node.op == "call_module":
         child = module.get_submodule(node.target)
         if type(child) is nn.Linear and is_plain(child) and len(node.args) == 1 and not node.kwargs:
-            return _Product(
-                node,
-                node.args[0],
-                f"{node.target}.weight",
-                False,
-                child.bias is not None and f"{node.target}.bias" or None,
-            )
+            bias = None if child.bias is None else f"{node.target}.bias"
+            return _Product(node, node.args[0], f"{node.target}.weight", False, bias)
         return None
     if node.op == "call_function" and node.target is F.linear and len(node.args) in (2, 3) and not node.kwargs:
         found, bias = _parameter(node.args[1], module), node.args[2] if len(node.args) == 3 else None
@@ -157,7 +152,7 @@ def _rewrite(module: nn.Module, fold: bool) -> tuple[RewrittenForward, _Site] | 
     a.node.replace_all_uses_with(new)
     graph.erase_node(a.node)
     if fold and site.dropout:
-        graph.erase_node(next(n for n in graph.nodes if n.op == "call_module" and n.target == site.dropout))
+        graph.erase_node(a.input)  # the dropout's call: the adapter takes it in
     width = module.get_parameter(a.weight).shape[0 if a.transposed else 1]
     described = f"{_spelled(site)} ({call_site(site.add)})"
     return RewrittenForward(module, compiled(module, graph, width), (described,), False), site

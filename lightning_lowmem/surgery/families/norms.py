@@ -37,17 +37,17 @@ def _detail(name: str, spec: NormSpec, consumers: list[str], callers: list[str])
     return detail
 
 
-def _reads_linearly(found: Candidates, named: dict[str, nn.Module], where: str) -> bool:
+def _reads_linearly(found: Candidates, named: dict[str, nn.Module], folded: dict[str, float], where: str) -> bool:
     """Whether the module ``where`` reads a norm's output as a linear layer that may share it: a linear layer (not
-    one an earlier run made another norm's consumer, unless a dropout folds into it), or a layer sharing as a
-    whole (``found.linear_readers``)."""
+    one an earlier run made another norm's consumer, unless a dropout folds into it: ``folded``), or a layer
+    sharing as a whole (``found.linear_readers``)."""
     if where in found.linear_readers:
         return True
     if where not in found["linear"]:
         return False
     layer = named[where]
     earlier = isinstance(layer, (LowMemLinear, LowMemTransposedLinear)) and layer.norm is not None
-    return not earlier or where in found.takes_dropout()
+    return not earlier or where in folded
 
 
 def decide_consumers(model: nn.Module, found: Candidates, flow: Flow, options) -> None:
@@ -66,8 +66,8 @@ def _decide_consumers(norm: str, flow: Flow, found: Candidates, named: dict[str,
     alone. A linear layer is called on the output, or its weight is used by ``F.linear`` on it in another
     module's forward (that module then shares through :func:`~lightning_lowmem.nn.linear.share_functional_linears`).
     An excluded or hooked one stays stock and reads the stock output."""
-    reads = flow.reads[norm]
-    called = [r.where for r in reads if r.op is None and _reads_linearly(found, named, r.where)]
+    reads, folded = flow.reads[norm], found.takes_dropout()
+    called = [r.where for r in reads if r.op is None and _reads_linearly(found, named, folded, r.where)]
     linears = found["linear"]
     functional = [
         r for r in reads if r.op == "linear" and linears.get(r.weight_of) == "linear" and not options.excluded(r.where)
