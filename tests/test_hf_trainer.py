@@ -1,8 +1,16 @@
 """Hugging Face's Trainer with ``LowMemCallback``: the model converts at its first training step, on the collated
 batch (labels, packed sequences' position_ids, a completion-only micro-batch whose labels are all -100), under
-gradient accumulation with ``num_items_in_batch``, and trains with stock's per-step losses."""
+gradient accumulation with ``num_items_in_batch``, and trains with stock's per-step losses, on one process and on
+two (``hf_two_ranks.py`` under torchrun, gloo)."""
 
 from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,11 +25,17 @@ from lightning_lowmem.hf import LowMemCallback
 STEPS, BATCH, ACCUMULATION = 5, 2, 2
 
 
+RANKS = int(os.environ.get("WORLD_SIZE", 1))  # processes of this run (torchrun sets it)
+ORDERED = {"train_sampling_strategy": "sequential"}  # rows 2 and 3 make the second micro-batch (rank 1's first)
+
+
 class Samples(torch.utils.data.Dataset):
     """Rows of 16 tokens, each two packed sequences (``position_ids`` restart at 10), a 4-token prompt not trained on;
-    rows 2 and 3 (the second micro-batch) are completion-only samples whose answer was truncated away."""
+    rows 2 and 3 are completion-only samples whose answer was truncated away: in order, a micro-batch with nothing
+    to learn (the second on one process, rank 1's first on two)."""
 
-    def __init__(self, rows: int = STEPS * BATCH * ACCUMULATION) -> None:
+    def __init__(self) -> None:
+        rows = STEPS * BATCH * ACCUMULATION * RANKS
         self.ids = torch.randint(3, zoo.VOCAB, (rows, 16), generator=torch.Generator().manual_seed(0))
 
     def __len__(self) -> int:
@@ -41,7 +55,7 @@ def train(tmp_path, callbacks: list, **arguments) -> tuple[list[float], torch.nn
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path), per_device_train_batch_size=BATCH, gradient_accumulation_steps=ACCUMULATION,
         max_steps=STEPS, learning_rate=1e-2, logging_steps=1, report_to=[], use_cpu=True, save_strategy="no",
-        seed=0, disable_tqdm=True, **arguments,
+        seed=0, disable_tqdm=True, **ORDERED, **arguments,
     )  # fmt: skip
     trainer = transformers.Trainer(model=model, args=args, train_dataset=Samples(), callbacks=callbacks)
     trainer.train()
@@ -86,7 +100,7 @@ def sft_run(tmp_path, callbacks: list, **arguments) -> tuple[list[float], torch.
         tokenizer_object=words, pad_token="t0", bos_token="t1", eos_token="t2", unk_token="t3"
     )
     samples = Samples()
-    rows = [{"input_ids": samples[i]["input_ids"].tolist(), "labels": samples[i]["labels"].tolist()} for i in range(20)]
+    rows = [{"input_ids": samples[i]["input_ids"].tolist(), "labels": samples[i]["labels"].tolist()} for i in range(len(samples))]
     gradients = Gradients()
     torch.manual_seed(0)
     model = zoo.lora(zoo.llama(), zoo.LLAMA_LINEARS, random_b=True)
@@ -94,7 +108,7 @@ def sft_run(tmp_path, callbacks: list, **arguments) -> tuple[list[float], torch.
         "output_dir": str(tmp_path), "per_device_train_batch_size": BATCH, "max_steps": STEPS, "learning_rate": 1e-2,
         "gradient_accumulation_steps": ACCUMULATION, "logging_steps": 1, "report_to": [], "use_cpu": True, "seed": 0,
         "save_strategy": "no", "disable_tqdm": True, "dataset_kwargs": {"skip_prepare_dataset": True},
-        "max_length": None, **arguments,
+        "max_length": None, **ORDERED, **arguments,
     })  # fmt: skip
     trainer = trl.SFTTrainer(model=model, args=args, train_dataset=datasets.Dataset.from_list(rows),
                              processing_class=tokenizer, callbacks=[*callbacks, gradients])  # fmt: skip
@@ -152,3 +166,24 @@ def test_a_rollback_puts_back_another_librarys_patched_forward():
     surgery.override(model, "forward", lambda *a, **k: None)
     surgery.rollback()
     assert model.__dict__["forward"] is patched and model(input_ids=ids).logits is not None
+
+
+@pytest.mark.parametrize("trainer", ["Trainer", "SFTTrainer"])
+def test_two_processes_convert_alike_and_train_with_stocks_losses(tmp_path, trainer):
+    """``hf_two_ranks.py`` under torchrun (2 CPU processes, gloo): stock's and the converted model's per-step losses
+    (every rank's micro-batches, rank 1's first one with nothing to learn), rank 0's report printed once."""
+    if trainer == "SFTTrainer":
+        pytest.importorskip("trl")
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    out = tmp_path / "losses.json"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
+               str(Path(__file__).with_name("hf_two_ranks.py")), trainer, str(out)]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert len(result["lowmem"]) == STEPS and {"gated MLP", "norm"} <= set(result["converted"])
+    torch.testing.assert_close(torch.tensor(result["lowmem"]), torch.tensor(result["stock"]), rtol=1e-5, atol=1e-6)
+    assert done.stdout.count("LowMemCallback: model surgery") == 1
