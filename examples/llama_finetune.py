@@ -23,10 +23,15 @@ from torch.utils.data import DataLoader, TensorDataset
 LLAMA_LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
+def stdlib_files() -> list[Path]:
+    """The standard library's top-level modules, in sorted order."""
+    return sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+
+
 def stdlib_text(max_bytes: int) -> bytes:
-    """The first ``max_bytes`` of the standard library's top-level modules, in sorted order."""
+    """The first ``max_bytes`` of :func:`stdlib_files`."""
     chunks, total = [], 0
-    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
+    for path in stdlib_files():
         data = path.read_bytes()
         chunks.append(data)
         total += len(data)

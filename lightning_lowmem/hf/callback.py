@@ -13,13 +13,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-import torch.distributed as dist
 from torch import nn
-from torch.utils._pytree import tree_map
 from transformers import TrainerCallback
 
 from lightning_lowmem.surgery import CallArgs, LowMemReport, Options, apply_lowmem, convert_at_first_forward
+from lightning_lowmem.surgery.deferred import rank_zero_call
 from lightning_lowmem.surgery.options import takes_options
 
 
@@ -48,23 +46,10 @@ class LowMemCallback(TrainerCallback):
 
     def _convert(self, model: nn.Module, call: CallArgs) -> None:
         """The surgery at the first training forward, on rank 0's batch."""
-        call = _from_rank_zero(call, next(model.parameters()).device)
+        call = rank_zero_call(call, next(model.parameters()).device)
         report = apply_lowmem(model, example_input=call, **self.options.as_dict())
         report.notes[:0] = self.report.notes
         self.report = report
         if self._print:
             print(f"LowMemCallback: model surgery\n{report.table()}", flush=True)
 
-
-def _from_rank_zero(call: CallArgs, device: torch.device) -> CallArgs:
-    """Rank 0's captured call on every rank (its tensors on this rank's ``device``); the call itself without DDP."""
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-        return call
-    box = [_moved(call, torch.device("cpu")) if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    return _moved(box[0], device)
-
-
-def _moved(call: CallArgs, device: torch.device) -> CallArgs:
-    move = lambda t: t.to(device) if isinstance(t, torch.Tensor) else t
-    return CallArgs(tree_map(move, call.args), tree_map(move, call.kwargs), call.module)

@@ -13,7 +13,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.utils._pytree import tree_map
 from torch.utils.hooks import RemovableHandle
 
 from lightning_lowmem.nn.adapters.bitsandbytes import keep_4bit_layers_trainable
@@ -50,3 +52,23 @@ def convert_at_first_forward(
 
     install()
     return report
+
+
+def rank_zero_call(call: CallArgs, device: torch.device) -> CallArgs:
+    """Rank 0's captured call on every rank (its tensors on this rank's ``device``), so that data-parallel ranks,
+    each with its own batch, convert alike; the call itself in a single process."""
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return call
+    box = [_moved(call, torch.device("cpu")) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return _moved(box[0], device)
+
+
+def is_rank_zero() -> bool:
+    """Whether this process prints: rank 0, or the only one."""
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+def _moved(call: CallArgs, device: torch.device) -> CallArgs:
+    move = lambda t: t.to(device) if isinstance(t, torch.Tensor) else t
+    return CallArgs(tree_map(move, call.args), tree_map(move, call.kwargs), call.module)

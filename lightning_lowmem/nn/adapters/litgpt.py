@@ -11,11 +11,12 @@ The layer keeps its class, its parameters and LitGPT's ``merge()``.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn
 
-from lightning_lowmem.nn.adapters import Fold, ForwardAdapter
+from lightning_lowmem.nn.adapters import Fold, ForwardAdapter, not_a_linear_head
 from lightning_lowmem.nn.linear import shared_linear
 from lightning_lowmem.nn.norm import MemorySharingNorm
 from lightning_lowmem.ops.dropout import check_probability
@@ -75,6 +76,21 @@ class LitGPTLoRA(ForwardAdapter):
     def installed(self, layer: nn.Module) -> bool:
         return lora_forward_of(layer) is not None
 
+    def head_refusal(self, layer: nn.Module) -> str | None:
+        if hasattr(layer, "zero_pad"):
+            return "its head is a LitGPT LoRAQKVLinear, not a linear layer (kept stock, with its logits)"
+        return not_a_linear_head(layer.linear)
+
+    def head_operands(self, layer: nn.Module, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, Any]:
+        """The base weight and bias and the adapter's term ``(dropout(hidden) @ A.T * scaling, B)``, as LitGPT's
+        ``LoRALinear`` computes it."""
+        base = layer.linear
+        if not adapts(layer):
+            return base.weight, base.bias, None
+        forward = lora_forward_of(layer)  # its dropout folded there, if the surgery put it
+        after_a = layer.lora_dropout(hidden) @ layer.lora_A.T if forward is None else forward.after_a(hidden)
+        return base.weight, base.bias, (after_a * layer.scaling, layer.lora_B)
+
 
 class LoRAForward:
     """The forward of a LitGPT LoRA ``layer``: LitGPT's, with the adapter's ``x @ A.T`` sharing ``norm``'s ``z``
@@ -91,12 +107,17 @@ class LoRAForward:
         pretrained = layer.linear(x)
         if not adapts(layer):
             return pretrained
-        dropped = x if self.dropout else layer.lora_dropout(x)
-        after_a = shared_linear(dropped, layer.lora_A, None, self.norm, self.dropout if layer.training else 0.0)
+        after_a = self.after_a(x)
         if self.per_qkv:
             after_b = layer.conv1d(after_a.transpose(-2, -1), layer.lora_B.unsqueeze(-1)).transpose(-2, -1)
             return pretrained + layer.zero_pad(after_b) * layer.scaling
         return pretrained + (after_a @ layer.lora_B.transpose(0, 1)) * layer.scaling
+
+    def after_a(self, x: torch.Tensor) -> torch.Tensor:
+        """``dropout(x) @ A.T``, the dropout folded (a seed saved) or the layer's own, ``x`` shared with the norm."""
+        layer = self.layer
+        dropped = x if self.dropout else layer.lora_dropout(x)
+        return shared_linear(dropped, layer.lora_A, None, self.norm, self.dropout if layer.training else 0.0)
 
 
 def lora_forward_of(layer: nn.Module) -> LoRAForward | None:
