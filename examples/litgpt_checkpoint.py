@@ -12,7 +12,6 @@ and ``python -m lightning_lowmem.litgpt finetune_*``:
 from __future__ import annotations
 
 import argparse
-import ast
 import json
 from pathlib import Path
 
@@ -21,28 +20,9 @@ import torch
 from litgpt.utils import save_config
 
 try:  # run as a script (examples/ is on sys.path) or imported as examples.litgpt_checkpoint
-    from llama_finetune import stdlib_files, stdlib_text
+    from stdlib_data import docstring_samples, make_tokenizer
 except ImportError:
-    from examples.llama_finetune import stdlib_files, stdlib_text
-
-SPECIAL = {"unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>"}
-
-
-def make_tokenizer(directory: Path, vocab: int, max_bytes: int = 400_000) -> int:
-    """A byte-level BPE of ``vocab`` tokens trained on the standard library, written as LitGPT reads one
-    (``tokenizer.json``, ``tokenizer_config.json``); returns its size."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tokenizer = Tokenizer(models.BPE(unk_token=SPECIAL["unk_token"]))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab, special_tokens=list(SPECIAL.values()), initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
-    tokenizer.train_from_iterator([stdlib_text(max_bytes).decode("utf-8", "replace")], trainer)
-    tokenizer.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps({**SPECIAL, "add_bos_token": True, "tokenizer_class": "PreTrainedTokenizerFast"}))
-    return tokenizer.get_vocab_size()
+    from examples.stdlib_data import docstring_samples, make_tokenizer
 
 
 def make_checkpoint(
@@ -63,24 +43,6 @@ def make_checkpoint(
     torch.save(litgpt.GPT(config).state_dict(), directory / "lit_model.pth")
     save_config(config, directory)
     return config
-
-
-def docstring_samples(limit: int) -> list[dict[str, str]]:
-    """Up to ``limit`` Alpaca samples from the standard library's documented functions, in file order."""
-    samples = []
-    for path in stdlib_files():
-        try:
-            tree = ast.parse(path.read_bytes())
-        except (SyntaxError, ValueError):
-            continue
-        for node in ast.walk(tree):
-            if isinstance(node, ast.FunctionDef) and (doc := ast.get_docstring(node)):
-                signature = f"def {node.name}({ast.unparse(node.args)})"
-                samples.append({"instruction": "Write the docstring of this Python function.", "input": signature,
-                                "output": doc.split("\n\n")[0]})  # fmt: skip
-                if len(samples) == limit:
-                    return samples
-    return samples
 
 
 def main(argv: list[str] | None = None) -> None:

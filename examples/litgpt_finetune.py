@@ -25,9 +25,9 @@ from torch.utils.data import DataLoader
 from lightning_lowmem import apply_lowmem
 
 try:  # run as a script (examples/ is on sys.path) or imported as examples.litgpt_finetune
-    from llama_finetune import stdlib_text
+    from stdlib_data import stdlib_text
 except ImportError:
-    from examples.llama_finetune import stdlib_text
+    from examples.stdlib_data import stdlib_text
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:

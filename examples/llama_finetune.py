@@ -11,8 +11,6 @@ is then used instead of bytes).
 from __future__ import annotations
 
 import math
-import sysconfig
-from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
@@ -20,24 +18,12 @@ from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.utils.data import DataLoader, TensorDataset
 
+try:  # run as a script (examples/ is on sys.path) or imported as examples.llama_finetune
+    from stdlib_data import stdlib_text
+except ImportError:
+    from examples.stdlib_data import stdlib_text
+
 LLAMA_LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-def stdlib_files() -> list[Path]:
-    """The standard library's top-level modules, in sorted order."""
-    return sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
-
-
-def stdlib_text(max_bytes: int) -> bytes:
-    """The first ``max_bytes`` of :func:`stdlib_files`."""
-    chunks, total = [], 0
-    for path in stdlib_files():
-        data = path.read_bytes()
-        chunks.append(data)
-        total += len(data)
-        if total >= max_bytes:
-            break
-    return b"\n".join(chunks)[:max_bytes]
 
 
 class StdlibTextDataModule(pl.LightningDataModule):

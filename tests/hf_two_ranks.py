@@ -10,7 +10,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_hf_trainer import LowMemCallback, sft_run, train  # noqa: E402
+from test_hf_trainer import LowMemCallback, sft_run, train
 
 
 def main(trainer: str, out: str) -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from examples import compare, llama_finetune, vit_finetune
+from examples import compare, llama_finetune, stdlib_data, vit_finetune
 from lightning_lowmem import kernels
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "examples" / "configs").glob("*.yaml"))
@@ -117,7 +117,7 @@ def test_main_job_prints_and_draws_the_comparison(capsys, tmp_path):
 
 
 def test_stdlib_text_is_real_python_source():
-    text = llama_finetune.stdlib_text(20_000)
+    text = stdlib_data.stdlib_text(20_000)
     assert len(text) == 20_000 and b"def " in text and b"import " in text
 
 
@@ -149,3 +149,27 @@ def test_the_litgpt_fabric_example_runs_in_two_processes(strategy):
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     assert "less activation memory than stock" in done.stdout, done.stdout[-3000:]
+
+
+@pytest.mark.parametrize("trainer", ["trainer", "sft"])
+def test_the_hugging_face_example_fine_tunes_with_the_callback(trainer, capsys):
+    pytest.importorskip("trl")
+    from examples import hf_finetune
+
+    small = ["--trainer", trainer, "--steps", "2", "--samples", "32", "--hidden", "64", "--layers", "2"]
+    result = hf_finetune.main(small)
+    before, after = result["saved_mib"]
+    assert len(result["losses"]) == 2 and all(math.isfinite(loss) for loss in result["losses"])
+    assert after < 0.6 * before and "with lightning-lowmem" in capsys.readouterr().out
+
+
+def test_the_litgpt_checkpoint_maker_writes_what_litgpt_reads(tmp_path):
+    litgpt = pytest.importorskip("litgpt")
+    from examples import litgpt_checkpoint
+
+    litgpt_checkpoint.main([str(tmp_path / "tiny"), "--data", str(tmp_path / "data.json"), "--samples", "8"])
+    config = litgpt.Config.from_file(tmp_path / "tiny" / "model_config.yaml")
+    tokenizer = litgpt.Tokenizer(tmp_path / "tiny")
+    assert config.padded_vocab_size == 4096 and tokenizer.vocab_size == config.vocab_size == 1024
+    assert tokenizer.decode(tokenizer.encode("def stdlib_files():")) == "def stdlib_files():"
+    assert len(json.loads((tmp_path / "data.json").read_text())) == 8

@@ -16,10 +16,11 @@ import torch
 
 litgpt = pytest.importorskip("litgpt")
 pytest.importorskip("tokenizers")
-from examples.litgpt_checkpoint import docstring_samples, make_checkpoint  # noqa: E402
-from lightning_lowmem.litgpt import finetune, head  # noqa: E402
-from lightning_lowmem.litgpt.__main__ import ENVIRONMENT, main, split_options  # noqa: E402
-from lightning_lowmem.memory import SavedTensorMeter  # noqa: E402
+from examples.litgpt_checkpoint import make_checkpoint
+from examples.stdlib_data import docstring_samples
+from lightning_lowmem.litgpt import finetune, head
+from lightning_lowmem.litgpt.__main__ import ENVIRONMENT, main, split_options
+from lightning_lowmem.memory import SavedTensorMeter
 
 ROOT = Path(__file__).parents[1]
 
@@ -82,13 +83,13 @@ def test_finetune_lora_has_the_litgpt_commands_losses_and_converts(checkpoint, t
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run(
         [sys.executable, "-m", "litgpt", "finetune_lora", *arguments(checkpoint, tmp_path / "stock", *extra)],
-        capture_output=True, text=True, timeout=600, env=env,
+        check=False, capture_output=True, text=True, timeout=600, env=env,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     done = subprocess.run(
         [sys.executable, "-m", "lightning_lowmem.litgpt", "finetune_lora",
          *arguments(checkpoint, tmp_path / "lowmem", *extra)],
-        capture_output=True, text=True, timeout=600, env=env,
+        check=False, capture_output=True, text=True, timeout=600, env=env,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     (losses, val), (stock_losses, stock_val) = logged(tmp_path / "lowmem"), logged(tmp_path / "stock")
@@ -103,8 +104,11 @@ def test_finetune_lora_has_the_litgpt_commands_losses_and_converts(checkpoint, t
 
 @pytest.mark.parametrize(
     ("command", "fate"),
-    [("finetune_full", "head converted"), ("finetune_adapter", "head converted"),
-     ("finetune_adapter_v2", "its head is a AdapterV2Linear, not a linear layer")],  # fmt: skip
+    [
+        ("finetune_full", "head converted"),
+        ("finetune_adapter", "head converted"),
+        ("finetune_adapter_v2", "its head is a AdapterV2Linear, not a linear layer"),
+    ],
 )
 def test_the_other_finetune_commands_have_stocks_losses(checkpoint, tmp_path, monkeypatch, capsys, command, fate):
     """Full fine-tuning (the head trains through the fused loss), LLaMA-Adapter; LLaMA-Adapter v2's head (a scale

@@ -52,4 +52,3 @@ class LowMemCallback(TrainerCallback):
         self.report = report
         if self._print:
             print(f"LowMemCallback: model surgery\n{report.table()}", flush=True)
-

@@ -46,7 +46,7 @@ def split_options(argv: list[str]) -> tuple[dict[str, object], list[str]]:
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
-        print(__doc__.strip().split("\n\n")[0].strip("`") + f"\n\ncommands: {', '.join(COMMANDS)}")
+        print(__doc__.strip().split("\n\n")[0].replace("``", "") + f"\n\ncommands: {', '.join(COMMANDS)}")
         return
     command, (options, rest) = argv[0], split_options(argv[1:])
     options = {**json.loads(os.environ.get(ENVIRONMENT, "{}")), **options}

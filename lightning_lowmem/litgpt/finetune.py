@@ -73,7 +73,9 @@ def patch(module: ModuleType, options: Options) -> type:
 
         def forward(self, *args: Any, **kwargs: Any) -> Any:
             stock = super().forward
-            return stock(*args, **kwargs) if self.lowmem_head is None else self.lowmem_head.forward(stock, *args, **kwargs)
+            return (
+                stock(*args, **kwargs) if self.lowmem_head is None else self.lowmem_head.forward(stock, *args, **kwargs)
+            )
 
     GPT.__qualname__ = GPT.__name__ = stock_gpt.__name__
     module.GPT = GPT
@@ -101,4 +103,3 @@ def _install_head(model: Any, options: Options) -> Entry:
         return Entry("", kind, name, "left alone", refusal)
     model.lowmem_head = head.FusedLossHead(model)
     return Entry("", kind, name, "converted", _DETAIL)
-
