@@ -84,12 +84,12 @@ def main(argv: list[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory() as scratch:
         tokenizer = tokenizer_on_the_spot(Path(scratch))
         model = model_of(args, len(tokenizer))
-        common = dict(
-            output_dir=str(Path(scratch) / "out"), per_device_train_batch_size=args.batch_size, max_steps=args.steps,
-            gradient_accumulation_steps=2, learning_rate=2e-3, logging_steps=max(1, args.steps // 5), report_to=[],
-            save_strategy="no", seed=0, use_cpu=not torch.cuda.is_available(), disable_tqdm=True,
-            gradient_checkpointing=args.checkpointing,
-        )  # fmt: skip
+        common = {
+            "output_dir": str(Path(scratch) / "out"), "per_device_train_batch_size": args.batch_size,
+            "max_steps": args.steps, "gradient_accumulation_steps": 2, "learning_rate": 2e-3, "report_to": [],
+            "logging_steps": max(1, args.steps // 5), "save_strategy": "no", "seed": 0, "disable_tqdm": True,
+            "use_cpu": not torch.cuda.is_available(), "gradient_checkpointing": args.checkpointing,
+        }  # fmt: skip
         if args.trainer == "sft":
             import datasets
             import trl
