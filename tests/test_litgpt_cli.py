@@ -102,6 +102,28 @@ def test_finetune_lora_has_the_litgpt_commands_losses_and_converts(checkpoint, t
     assert "21 LoRAs converted" in report and "9 norms converted" in report
 
 
+def test_two_devices_convert_on_both_ranks_and_keep_litgpts_losses(checkpoint, tmp_path):
+    """``--devices 2`` (LitGPT's ModelParallelStrategy: FSDP2 over each block, then the root, on CPU with gloo): the
+    model converts on rank 0's batch with the options given, the head FSDP2 shards with the root keeps LitGPT's
+    logits (with why), and the losses are ``litgpt finetune_lora``'s."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    runs = {}
+    for name, command in (("stock", ["litgpt"]), ("lowmem", ["lightning_lowmem.litgpt", "--lowmem.gated", "false"])):
+        args = [*arguments(checkpoint, tmp_path / name), "--devices", "2", "--eval.final_validation", "false"]
+        done = subprocess.run(
+            [sys.executable, "-m", command[0], "finetune_lora", *args, *command[1:]],
+            check=False, capture_output=True, text=True, timeout=600, env=env,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs[name] = done.stdout
+    torch.testing.assert_close(
+        torch.tensor(logged(tmp_path / "lowmem")[0]), torch.tensor(logged(tmp_path / "stock")[0]), rtol=1e-5, atol=1e-6
+    )
+    report = runs["lowmem"]
+    assert report.count("model surgery") == 1 and "gated MLP" not in report.split("model surgery")[1].split("Epoch")[0]
+    assert "FSDP2 shards its head with the root module" in report and "norms converted" in report
+
+
 @pytest.mark.parametrize(
     ("command", "fate"),
     [

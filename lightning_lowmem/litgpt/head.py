@@ -54,7 +54,13 @@ def head_layer(model: nn.Module) -> nn.Module:
 
 
 def head_refusal(model: nn.Module) -> str | None:
-    """Why the fused loss cannot compute the LitGPT ``model``'s logits (``None``: it can)."""
+    """Why the fused loss cannot compute the LitGPT ``model``'s logits (``None``: it can). The loss runs after the
+    model's forward, through the head's own call: a head FSDP2 shards with the root (LitGPT's ``parallelize_fn``)
+    has been resharded by then; one sharded on its own is gathered by that call."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule) and not isinstance(model.lm_head, FSDPModule):
+        return "FSDP2 shards its head with the root module, resharded after the forward (LitGPT's logits kept)"
     layer = head_layer(model)
     adapter = adapter_of(layer)
     return not_a_linear_head(layer) if adapter is None else adapter.head_refusal(layer)
