@@ -16,7 +16,8 @@ from benchmarks import zoo
 from lightning_lowmem import LowMemBP, PeakMemoryMonitor, apply_lowmem, max_batch_size, plan
 from lightning_lowmem.lightning import plots
 from lightning_lowmem.memory import MIB, SavedTensorMeter
-from lightning_lowmem.surgery.budget import checkpointed_forward, find_blocks
+from lightning_lowmem.nn.recompute import checkpointed_forward
+from lightning_lowmem.surgery.budget import find_blocks
 
 timm = pytest.importorskip("timm")
 transformers = pytest.importorskip("transformers")
@@ -212,3 +213,64 @@ def test_ddp_ranks_checkpoint_the_same_blocks(tmp_path):
     need = apply_lowmem(Blocks(), example_input=torch.randn(8, 16, 64)).saved_bytes_after
     result = run_ddp_script(tmp_path, DDP_SCRIPT, budget=0.8 * need / MIB)
     assert result == {"checkpointed": [[1, 2], [1, 2]], "ranks_equal": True}
+
+
+def llama_lora() -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    """The tiny LLaMA (hidden 64: tiles of 64 tokens), LoRA r=4 on every linear, 2 x 256 tokens with labels."""
+    torch.manual_seed(0)
+    model = zoo.lora(zoo.llama(), zoo.LLAMA_LINEARS, random_b=True)
+    ids = torch.randint(0, zoo.VOCAB, (2, 256), generator=torch.Generator().manual_seed(0))
+    return model, {"input_ids": ids, "labels": ids}
+
+
+def llama_gradients(model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    torch.manual_seed(1)
+    model.train().zero_grad(set_to_none=True)
+    model(**batch).loss.backward()
+    return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def test_the_ladder_tiles_mlps_first_and_each_rung_can_be_left_out():
+    model, batch = llama_lora()
+    need = plan(model, batch).saved_bytes_after
+    unbudgeted = copy.deepcopy(model)
+    apply_lowmem(unbudgeted, example_input=batch)
+    report = apply_lowmem(model, example_input=batch, budget_mib=0.8 * need / MIB)
+    budget = report.budget
+    assert budget.tiled == [f"base_model.model.model.layers.{i}.mlp" for i in (0, 1)] and budget.checkpointed == []
+    assert budget.measured_bytes <= 0.8 * need and budget.predicted_bytes <= 0.8 * need
+    assert budget.tile_tokens == 64 and "2 MLPs tiled (64 tokens a tile)" in budget.summary()
+    ours, theirs = llama_gradients(model, batch), llama_gradients(unbudgeted, batch)
+    for name, grad in theirs.items():
+        torch.testing.assert_close(ours[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+    without_tiles = plan(llama_lora()[0], batch, budget_mib=0.8 * need / MIB, rungs=["checkpoint"]).budget
+    assert without_tiles.tiled == [] and without_tiles.checkpointed
+    with pytest.raises(ValueError, match=r"rungs must be some of \('tile', 'checkpoint', 'offload'\)"):
+        apply_lowmem(model, example_input=batch, rungs=["tile", "swap"])
+
+
+def test_offload_frees_the_checkpointed_inputs_on_a_device_and_is_never_taken_on_the_host(monkeypatch):
+    """On the host (this CPU) offloading frees nothing and is not taken. Here the budget is told the host is
+    elsewhere (``HOST`` = meta), so the CPU model counts as on a device: after tiling and checkpointing every block,
+    the blocks' inputs go to the host (copies, the device's freed), measured out of what the device keeps, with the
+    unbudgeted gradients."""
+    from lightning_lowmem.surgery import budget as ladder
+
+    model, batch = llama_lora()
+    unbudgeted = copy.deepcopy(model)
+    apply_lowmem(unbudgeted, example_input=batch)
+    with pytest.raises(ValueError, match=r"still needs ([\d.]+) MiB") as on_host:
+        plan(llama_lora()[0], batch, budget_mib=0.01)
+    smallest_on_host = float(on_host.value.args[0].split("still needs ")[1].split(" MiB")[0])
+    monkeypatch.setattr(ladder, "HOST", torch.device("meta"))
+    with pytest.raises(ValueError, match=r"still needs ([\d.]+) MiB") as on_device:
+        plan(llama_lora()[0], batch, budget_mib=0.01)
+    smallest_offloaded = float(on_device.value.args[0].split("still needs ")[1].split(" MiB")[0])
+    assert smallest_offloaded < smallest_on_host
+    report = apply_lowmem(model, example_input=batch, budget_mib=(smallest_offloaded + 0.01))
+    budget = report.budget
+    assert budget.offloaded and set(budget.offloaded) <= set(budget.checkpointed) and budget.moved_bytes > 0
+    assert "offloaded" in budget.summary() and budget.measured_bytes <= (smallest_offloaded + 0.01) * MIB
+    ours, theirs = llama_gradients(model, batch), llama_gradients(unbudgeted, batch)
+    for name, grad in theirs.items():
+        torch.testing.assert_close(ours[name], grad, rtol=1e-5, atol=1e-7, msg=name)

@@ -85,6 +85,7 @@ class SavedTensorMeter:
         self.live_bytes = 0
         self.peak_bytes = 0
         self._refs: dict[tuple, int] = {}
+        self.storages: set[tuple] = set()  # (device, data pointer) of every storage counted
         self._sizes: dict[tuple, int] = {}
         self._excluded: set[tuple] = set()
         self._parameters_by_shape: dict[tuple[int, ...], list[tuple[nn.Module, str]]] = defaultdict(list)
@@ -156,6 +157,7 @@ class SavedTensorMeter:
             self.weight_copy_bytes += nbytes if weight_copy else 0
             module = self._module_stack[-1] if self._module_stack else "<outside>"
             self.records.append(SavedStorage(module, tuple(t.shape), t.dtype, nbytes, weight_copy))
+            self.storages.add(key)
         self._refs[key] = self._refs.get(key, 0) + 1
         return _Held(t.detach(), key, self)
 

@@ -317,7 +317,7 @@ def run(report: LowMemReport, model: nn.Module, options: Options, example: Any) 
             if report.saved_bytes_after > report.saved_bytes_before:  # never worse than stock
                 surgery = _keep_what_saves(model, example, decided, surgery, report)
         if options.budget_mib is not None:
-            report.budget = fit_budget(model, example, options.budget_mib, surgery, options.checkpoint)
+            report.budget = fit_budget(model, example, options.budget_mib, surgery, options.checkpoint, options.rungs)
     except BaseException:
         surgery.rollback()
         raise

@@ -18,6 +18,7 @@ from torch import nn
 from typing_extensions import Doc
 
 from lightning_lowmem.registry.activations import check_bits
+from lightning_lowmem.surgery.budget import RUNGS
 
 Switch = bool | Literal["auto", "off"]
 SWITCHES = ("activation", "norm", "linear", "gated", "dropout", "head", "lora", "attention")
@@ -106,6 +107,13 @@ class Options:
         measured. A budget below what checkpointing every block achieves raises ValueError naming that
         minimum. ``LowMemBP`` fits it on the first training batch."""),
     ] = None
+    rungs: Annotated[
+        Sequence[str],
+        Doc("""
+        the steps the budget may take, cheapest first by bytes freed per second of cost: ``"tile"`` (an MLP run on
+        tiles of the sequence, each recomputed in backward), ``"checkpoint"`` (a block recomputed in backward),
+        ``"offload"`` (a checkpointed block's input kept in host memory); leave one out to forbid it."""),
+    ] = RUNGS
     checkpoint: Annotated[
         Patterns,
         Doc("""
@@ -131,6 +139,10 @@ class Options:
         for name in ("include", "exclude", "checkpoint"):
             set_(name, _patterns(getattr(self, name), name))
         set_("bits", check_bits("apply_lowmem", self.bits))
+        rungs = (self.rungs,) if isinstance(self.rungs, str) else tuple(self.rungs)
+        if not set(rungs) <= set(RUNGS):
+            raise ValueError(f"apply_lowmem: rungs must be some of {RUNGS}, got {self.rungs!r}")
+        set_("rungs", rungs)
         budget = self.budget_mib
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget <= 0):
             raise ValueError(f"apply_lowmem: budget_mib must be a positive number of MiB, got {budget!r}")
