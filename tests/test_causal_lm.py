@@ -237,3 +237,36 @@ def test_a_fully_masked_micro_batch_leaves_the_accumulated_gradients_stocks():
         got = model.get_parameter(name).grad
         assert got.isfinite().all(), name
         torch.testing.assert_close(got, p.grad, rtol=1e-4, atol=1e-5 * p.grad.abs().max().item(), msg=name)
+
+
+@pytest.mark.parametrize("family", ["LlamaForCausalLM", "Phi3ForCausalLM", "GemmaForCausalLM", "Gemma2ForCausalLM"])
+def test_o_proj_reads_the_attention_output_sdpa_saves_with_no_copy(family, monkeypatch):
+    """Hugging Face's attention hands ``o_proj`` ``attn_output.transpose(1, 2).contiguous()`` of SDPA's output: a copy
+    that ``o_proj``'s LoRA adapter saves beside SDPA's own where SDPA's query (and so its output) is
+    ``(B, H, T, D)``-contiguous (Phi-3's partial RoPE). Converted (``lowmem_sdpa``), ``o_proj`` reads, and saves,
+    SDPA's very storage in every family on SDPA, with the same loss and gradients; a rollback puts ``sdpa`` back."""
+    torch.manual_seed(0)
+    stock = zoo.lora(zoo.FAMILIES[family].build(), ["o_proj"])
+    if stock.config._attn_implementation != "sdpa":
+        pytest.skip(f"{family} attends with {stock.config._attn_implementation}")
+    model = copy.deepcopy(stock)
+    inputs = batch(model.config.vocab_size, tokens=32)
+    report = apply_lowmem(model, example_input=inputs)
+    assert model.config._attn_implementation == "lowmem_sdpa"
+    assert any(e.kind == "attention" and "o_proj reads the output SDPA saves" in e.detail for e in report.converted)
+    outputs, read = [], []
+    stock_sdpa = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(
+        torch.nn.functional,
+        "scaled_dot_product_attention",
+        lambda *a, **k: outputs.append(stock_sdpa(*a, **k)) or outputs[-1],
+    )
+    o_proj = next(m for name, m in model.named_modules() if name.endswith("layers.0.self_attn.o_proj"))
+    o_proj.register_forward_pre_hook(lambda module, args: read.append(args[0]))
+    model.train()(**inputs)
+    assert read and read[0].untyped_storage().data_ptr() == outputs[0].untyped_storage().data_ptr()
+    monkeypatch.undo()
+    assert_same_step(step(stock, inputs), step(model, inputs))
+    planned = copy.deepcopy(stock)
+    plan(planned, inputs)  # converts, measures, rolls back
+    assert planned.config._attn_implementation == "sdpa"
