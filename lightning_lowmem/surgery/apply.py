@@ -25,7 +25,7 @@ the plan rolls everything back. Without an example input it runs at the model's 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
@@ -36,7 +36,7 @@ from torch._dynamo import OptimizedModule
 from lightning_lowmem.memory import MIB
 from lightning_lowmem.nn.adapters.bitsandbytes import keep_4bit_layers_trainable
 from lightning_lowmem.surgery import fsdp
-from lightning_lowmem.surgery.budget import fit_budget
+from lightning_lowmem.surgery.budget import fit_budget, take_every_step
 from lightning_lowmem.surgery.changes import Plan
 from lightning_lowmem.surgery.convert import Surgery
 from lightning_lowmem.surgery.deferred import convert_at_first_forward
@@ -47,7 +47,14 @@ from lightning_lowmem.surgery.measure import measure_saved
 from lightning_lowmem.surgery.options import Options, takes_options
 from lightning_lowmem.surgery.probe import Flow, probe
 from lightning_lowmem.surgery.report import LowMemReport
-from lightning_lowmem.surgery.training_memory import GIB, TrainingMemory, fit_lengths, sequence_length, with_length
+from lightning_lowmem.surgery.training_memory import (
+    GIB,
+    TrainingMemory,
+    fit_lengths,
+    sequence_length,
+    step_peak,
+    with_length,
+)
 from lightning_lowmem.surgery.verify import eval_outputs, verify
 
 
@@ -138,14 +145,18 @@ def max_batch_size(model: nn.Module, example_input: Any, budget_mib: float, **op
 
 
 @contextmanager
-def _converted(model: nn.Module, example: Any, options: dict[str, Any], owner: str, lowmem: bool) -> Iterator[None]:
-    """``model`` converted quietly (no check, no measurement) for the duration, unless not ``lowmem``."""
+def _converted(
+    model: nn.Module, example: Any, options: dict[str, Any], owner: str, lowmem: bool, ladder: Sequence[str] = ()
+) -> Iterator[None]:
+    """``model`` converted quietly (no check, no measurement) for the duration, unless not ``lowmem``, and every
+    step of the ``ladder``'s rungs taken."""
     parsed = Options.parse(options, owner).check_patterns(model)
-    if not lowmem:
-        yield
-        return
-    surgery = run(LowMemReport(), model, Options(**{**parsed.as_dict(), "verify": False, "measure": False}), example)
+    ladder = Options(rungs=ladder).rungs  # validated
+    quiet = Options(**{**parsed.as_dict(), "verify": False, "measure": False})
+    surgery = run(LowMemReport(), model, quiet, example) if lowmem else Surgery(model)
     try:
+        if ladder:
+            take_every_step(model, example, surgery, ladder, parsed.checkpoint)
         yield
     finally:
         surgery.rollback()
@@ -153,12 +164,18 @@ def _converted(model: nn.Module, example: Any, options: dict[str, Any], owner: s
 
 @takes_options
 def training_memory(
-    model: nn.Module, example_input: Any, optimizer: str | float = "adamw", lowmem: bool = True, **options: Any
+    model: nn.Module,
+    example_input: Any,
+    optimizer: str | float = "adamw",
+    lowmem: bool = True,
+    ladder: Sequence[str] = (),
+    **options: Any,
 ) -> TrainingMemory:
     """What a training step of ``model`` holds as a function of the sequence length (a :class:`TrainingMemory`),
     after :func:`apply_lowmem` (``lowmem=False``: the stock model), ``model`` left unchanged.
 
-    Weights, gradients and optimizer state are counted from the parameters; activations are measured at the
+    Weights, gradients and optimizer state are counted from the parameters; the activations a forward saves and
+    the step's peak beyond them (the backward's gradients, recomputed blocks and tiles) are measured at the
     example's length ``T`` and at ``2 T + 1``: linear in the length, plus a quadratic term from tensors with two
     dimensions of the length (eager attention's scores; SDPA and flash attention have none).
 
@@ -169,10 +186,13 @@ def training_memory(
         optimizer: its state's bytes per trainable parameter, or a name: ``"adamw"`` (two fp32 moments, 8 B),
             ``"adamw8bit"`` / ``"paged_adamw_8bit"`` (bitsandbytes, 2 B), ``"paged_adamw_32bit"`` (8 B), ``"sgd"``.
         lowmem: measure the converted model (else the stock model: the options are not used).
+        ladder: rungs of the budget's ladder (``"tile"``, ``"checkpoint"``, ``"offload"``) whose every step is
+            taken before measuring: every MLP tiled, every block checkpointed, every block's input offloaded
+            (where the model is on a device), the stock model's too; ``()``: none.
         {options}
     """
     length = sequence_length(example_input, "training_memory")
-    with _converted(model, example_input, options, "training_memory", lowmem):
+    with _converted(model, example_input, options, "training_memory", lowmem, ladder):
         return fit_lengths(model, example_input, (length, 2 * length + 1), optimizer)
 
 
@@ -183,17 +203,17 @@ def max_sequence_length(
     budget_gib: float,
     optimizer: str | float = "adamw",
     lowmem: bool = True,
+    ladder: Sequence[str] = (),
     **options: Any,
 ) -> int:
     """The longest sequence whose training step fits ``budget_gib``: weights, gradients, optimizer state and the
-    activations after :func:`apply_lowmem` (without checkpointing; ``lowmem=False``: the stock model's), ``model``
-    left unchanged.
+    step's peak of activations after :func:`apply_lowmem` (``lowmem=False``: the stock model's; with ``ladder``,
+    every step of those rungs taken), ``model`` left unchanged.
 
-    The prediction is :func:`training_memory`'s (activations measured at two lengths: linear, plus a quadratic
-    term where attention is eager); the model is then measured at the predicted length, and the length lowered
-    until the measurement fits. Activations are the bytes a training forward saves for backward (the same on
-    every device); a GPU's context, workspace and the allocator's fragmentation are not counted: leave room
-    for them in the budget.
+    The prediction is :func:`training_memory`'s (the saved activations and the backward's peak beyond them, each
+    measured at two lengths: linear, plus a quadratic term where attention is eager); the model's step is then
+    measured at the predicted length, and the length lowered until the measurement fits. The optimizer's step, a
+    GPU's context, kernels' workspace and the allocator's fragmentation are not counted: leave room for them.
 
     Args:
         model: the model, as for :func:`apply_lowmem`.
@@ -202,6 +222,7 @@ def max_sequence_length(
         budget_gib: the memory to fit, in GiB (2**30 bytes).
         optimizer: as for :func:`training_memory`.
         lowmem: as for :func:`training_memory`.
+        ladder: as for :func:`training_memory`.
         {options}
 
     Returns:
@@ -212,15 +233,15 @@ def max_sequence_length(
         raise ValueError(f"{owner}: budget_gib must be a positive number of GiB, got {budget_gib!r}")
     budget_bytes = budget_gib * GIB
     length = sequence_length(example_input, owner)
-    with _converted(model, example_input, options, owner, lowmem):
+    with _converted(model, example_input, options, owner, lowmem, ladder):
         memory = fit_lengths(model, example_input, (length, 2 * length + 1), optimizer)
         size = memory.max_length(budget_bytes)
         state = memory.weights + memory.gradients + memory.optimizer
         while size >= 1:  # measured at the predicted length: lowered until the measurement fits
-            excess = state + measure_saved(model, with_length(example_input, size)).total_bytes - budget_bytes
+            excess = state + step_peak(model, with_length(example_input, size)) - budget_bytes
             if excess <= 0:
                 break
-            size -= max(1, math.ceil(excess / max(memory.linear + 2 * memory.quadratic * size, 1.0)))
+            size -= max(1, math.ceil(excess / max(memory.per_token + 2 * memory.quadratic * size, 1.0)))
     if size < 1:
         raise ValueError(
             f"{owner}: not even one token fits {budget_gib:g} GiB: {memory.summary()}; weights, gradients and "

@@ -313,23 +313,7 @@ def fit_budget(
     Raises ValueError when the budget is below what every step of ``rungs`` achieves."""
     if not budget_mib > 0:
         raise ValueError(f"apply_lowmem: budget_mib must be a positive number of MiB, got {budget_mib!r}")
-    plan = BudgetPlan(budget_bytes=round(budget_mib * MIB))
-    names = find_blocks(model, patterns)
-    if not names:
-        raise ValueError(
-            f"apply_lowmem: {type(model).__name__} has no repeated blocks to checkpoint; name them with checkpoint="
-        )
-    mlp_names = find_mlps(model, names) if "tile" in rungs else []
-    measured, total, total_flops = measure_blocks(model, example, [*names, *mlp_names])
-    by_name = {b.name: b for b in measured}
-    plan.blocks = [by_name[n] for n in names if n in by_name]
-    plan.mlps = [by_name[n] for n in mlp_names if n in by_name]
-    plan.tile_tokens = max((_hidden_size(model.get_submodule(m.name)) for m in plan.mlps), default=0)
-    on_host = next((p.device for p in model.parameters()), HOST).type == HOST.type
-    ladder = _Ladder(
-        total, {b.name: b for b in plan.blocks}, {m.name.rpartition(".")[0]: m for m in plan.mlps},
-        plan.tile_tokens, on_host,
-    )  # fmt: skip
+    plan, ladder, total_flops = _measured_ladder(model, example, round(budget_mib * MIB), patterns, rungs)
     taken: list[tuple[str, str]] = []
     while ladder.predicted() > plan.budget_bytes and (step := ladder.best(rungs)) is not None:
         ladder.take(*step)
@@ -353,6 +337,52 @@ def fit_budget(
             f"{plan.measured_bytes / MIB:.2f} MiB, the smallest achievable; use a smaller batch, or a budget of at "
             "least that"
         )
+    return _taken(plan, ladder, total_flops)
+
+
+def take_every_step(
+    model: nn.Module, example: Any, surgery: Surgery, rungs: Sequence[str], patterns: Sequence[str] = ()
+) -> BudgetPlan:
+    """Every step of ``rungs`` on ``model`` (through ``surgery``): every MLP tiled, every block checkpointed, every
+    checkpointed block offloaded (on a device), as far as each rung applies: the least a step can hold."""
+    plan, ladder, total_flops = _measured_ladder(model, example, 0, patterns, rungs)
+    for rung in (r for r in RUNGS if r in rungs):
+        # every MLP, even where the example's sequence fits one tile: a longer one will not
+        for block in list(ladder.mlps) if rung == "tile" else [block for block, _ in ladder.steps(rung)]:
+            ladder.take(rung, block)
+            _apply(surgery, model, ladder, rung, block)
+    plan.predicted_bytes = ladder.predicted()
+    plan.forward_bytes, plan.kept_bytes = _measure(model, example, ladder)
+    plan.recompute_bytes = ladder.recompute()
+    return _taken(plan, ladder, total_flops)
+
+
+def _measured_ladder(
+    model: nn.Module, example: Any, budget_bytes: int, patterns: Sequence[str], rungs: Sequence[str]
+) -> tuple[BudgetPlan, _Ladder, int]:
+    """The blocks and MLPs of ``model`` measured on ``example``, and the ladder over them with no step taken."""
+    plan = BudgetPlan(budget_bytes=budget_bytes)
+    names = find_blocks(model, patterns)
+    if not names:
+        raise ValueError(
+            f"apply_lowmem: {type(model).__name__} has no repeated blocks to checkpoint; name them with checkpoint="
+        )
+    mlp_names = find_mlps(model, names) if "tile" in rungs else []
+    measured, total, total_flops = measure_blocks(model, example, [*names, *mlp_names])
+    by_name = {b.name: b for b in measured}
+    plan.blocks = [by_name[n] for n in names if n in by_name]
+    plan.mlps = [by_name[n] for n in mlp_names if n in by_name]
+    plan.tile_tokens = max((_hidden_size(model.get_submodule(m.name)) for m in plan.mlps), default=0)
+    on_host = next((p.device for p in model.parameters()), HOST).type == HOST.type
+    ladder = _Ladder(
+        total, {b.name: b for b in plan.blocks}, {m.name.rpartition(".")[0]: m for m in plan.mlps},
+        plan.tile_tokens, on_host,
+    )  # fmt: skip
+    return plan, ladder, total_flops
+
+
+def _taken(plan: BudgetPlan, ladder: _Ladder, total_flops: int) -> BudgetPlan:
+    """``plan`` with the ladder's steps and their predicted overhead."""
     plan.checkpointed = list(ladder.checkpointed)
     plan.tiled = [ladder.mlps[b].name for b in ladder.blocks if b in ladder.tiled]
     plan.offloaded = [b for b in ladder.checkpointed if b in ladder.offloaded]

@@ -1,14 +1,16 @@
 """What a training step holds as a function of the sequence length: weights (4-bit quantization state included),
-gradients, optimizer state, and the activations a forward saves, measured at two lengths (linear, plus a
-quadratic term from tensors with two dimensions of the length: eager attention's scores). Behind
-:func:`~lightning_lowmem.training_memory` and :func:`~lightning_lowmem.max_sequence_length`.
+gradients, optimizer state, the activations a forward saves, and what the backward holds beyond them (recomputed
+blocks and tiles, the inputs checkpoints keep, gradient buffers: the step's measured peak less the saved
+activations), each measured at two lengths (linear, plus a quadratic term from tensors with two dimensions of the
+length: eager attention's scores). Behind :func:`~lightning_lowmem.training_memory` and
+:func:`~lightning_lowmem.max_sequence_length`.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -16,7 +18,8 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from lightning_lowmem.memory import MIB
-from lightning_lowmem.surgery.example import CallArgs, tensors_in
+from lightning_lowmem.memory.peak import allocation_peak
+from lightning_lowmem.surgery.example import CallArgs, call, isolated, tensors_in
 from lightning_lowmem.surgery.measure import measure_saved
 
 GIB = float(1 << 30)
@@ -30,16 +33,20 @@ OPTIMIZER_STATE_BYTES = {
 
 @dataclass(frozen=True)
 class TrainingMemory:
-    """What one training step holds, in bytes, at a sequence length ``T``::
+    """What one training step holds at its peak, in bytes, at a sequence length ``T``::
 
         weights + gradients + optimizer + weight_copies + constant + linear * T + quadratic * T**2
+            + transient + transient_linear * T + transient_quadratic * T**2
 
     ``weights``: parameters and buffers (bitsandbytes' 4-bit weights with their quantization state);
     ``gradients``: one per trainable parameter, in its dtype; ``optimizer``: its state; ``weight_copies``:
     autocast's half-precision copies of weights saved for backward (they do not grow with ``T``); the rest is
     what one training forward saves for backward: ``quadratic`` from tensors with two dimensions of the
     sequence length (eager attention's scores), ``constant`` and ``linear`` from the others, fitted on two
-    measured lengths. Workspace, the allocator's fragmentation and a GPU's context are not counted."""
+    measured lengths; ``transient*``: what the backward holds beyond those at the step's peak (a step's allocation
+    peak, measured, less the saved activations; a third length where attention is eager, whose backward holds
+    scores' gradients; 0 when not measured). The optimizer's
+    step, the allocator's fragmentation and a GPU's context and kernels' workspace are not counted."""
 
     weights: int
     gradients: int
@@ -48,29 +55,42 @@ class TrainingMemory:
     constant: float = 0.0
     linear: float = 0.0
     quadratic: float = 0.0
+    transient: float = 0.0
+    transient_linear: float = 0.0
+    transient_quadratic: float = 0.0
 
     @property
     def static_bytes(self) -> float:
         """What does not grow with the sequence length."""
-        return self.weights + self.gradients + self.optimizer + self.weight_copies + self.constant
+        return self.weights + self.gradients + self.optimizer + self.weight_copies + self.constant + self.transient
+
+    @property
+    def per_token(self) -> float:
+        """What the step's peak grows by per token (the quadratic term apart)."""
+        return self.linear + self.transient_linear
+
+    @property
+    def per_token_pair(self) -> float:
+        """What the step's peak grows by per square token (eager attention's scores and their gradients)."""
+        return self.quadratic + self.transient_quadratic
 
     def activation_bytes(self, length: float) -> float:
         """Saved for backward at ``length`` tokens, autocast's weight copies apart."""
         return self.constant + self.linear * length + self.quadratic * length**2
 
     def bytes_at(self, length: float) -> float:
-        """The whole step at ``length`` tokens."""
-        return self.static_bytes + self.linear * length + self.quadratic * length**2
+        """The whole step at ``length`` tokens, at its peak."""
+        return self.static_bytes + self.per_token * length + self.per_token_pair * length**2
 
     def max_length(self, budget_bytes: float) -> int:
         """The largest whole ``T`` with ``bytes_at(T) <= budget_bytes`` (0 when not even one token fits)."""
-        room = budget_bytes - self.static_bytes
-        if room < self.linear + self.quadratic:
+        room, square = budget_bytes - self.static_bytes, self.per_token_pair
+        if room < self.per_token + square:
             return 0
-        if self.quadratic > 0:
-            length = (-self.linear + math.sqrt(self.linear**2 + 4 * self.quadratic * room)) / (2 * self.quadratic)
-        elif self.linear > 0:
-            length = room / self.linear
+        if square > 0:
+            length = (-self.per_token + math.sqrt(self.per_token**2 + 4 * square * room)) / (2 * square)
+        elif self.per_token > 0:
+            length = room / self.per_token
         else:
             raise ValueError("max_sequence_length: the saved bytes do not grow with the sequence length")
         length = math.floor(length)
@@ -84,6 +104,10 @@ class TrainingMemory:
             f"{self.optimizer / GIB:.2f} GiB, weight copies {self.weight_copies / GIB:.2f} GiB, activations "
             f"{self.constant / MIB:.2f} MiB + {self.linear / MIB:.4f} MiB/token"
         )
+        if self.transient or self.transient_linear:
+            line += (
+                f", backward beyond them {self.transient / MIB:.2f} MiB + {self.transient_linear / MIB:.4f} MiB/token"
+            )
         if self.quadratic:
             line += f" + {self.quadratic:.1f} B/token^2"
         if length is not None:
@@ -158,8 +182,47 @@ def _call_parts(example: Any) -> Any:
     return [example.args, example.kwargs] if isinstance(example, CallArgs) else example
 
 
-def fit_lengths(model: nn.Module, example: Any, lengths: Sequence[int], optimizer: str | float) -> TrainingMemory:
-    """:class:`TrainingMemory` of ``model`` from what a training forward saves at two sequence lengths."""
+def step_peak(model: nn.Module, example: Any) -> int:
+    """The most bytes a training step on ``example`` (forward, then backward of its loss, or of the sum of its
+    outputs) holds at once above what was allocated before it (RNG and buffers restored): CUDA's peak-allocation
+    counter, or on the CPU the profiler's allocation events. Gradients of trainable parameters are allocated
+    beforehand (they are counted as gradients) and put back after."""
+    trained = [p for p in model.parameters() if p.requires_grad]
+    kept = [p.grad for p in trained]
+    for p in trained:
+        p.grad = torch.zeros_like(p)
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+
+    def run() -> None:
+        with isolated(model, train=True):
+            _loss(call(model, example)).backward()
+
+    try:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            start = torch.cuda.memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            run()
+            return torch.cuda.max_memory_allocated(device) - start
+        return allocation_peak(run)[0]
+    finally:
+        for p, grad in zip(trained, kept):
+            p.grad = grad
+
+
+def _loss(output: Any) -> torch.Tensor:
+    loss = getattr(output, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        return loss
+    return sum(t.float().sum() for t in tensors_in(output) if t.requires_grad)
+
+
+def fit_lengths(
+    model: nn.Module, example: Any, lengths: Sequence[int], optimizer: str | float, peak: bool = True
+) -> TrainingMemory:
+    """:class:`TrainingMemory` of ``model`` from what a training forward saves at two sequence lengths (with
+    ``peak``, also what a whole step holds at its peak: at a third length too where the saved bytes have a
+    quadratic term)."""
     first, second = lengths
     fits = []
     copies = 0
@@ -171,5 +234,22 @@ def fit_lengths(model: nn.Module, example: Any, lengths: Sequence[int], optimize
     quadratic = fits[1][1] / second**2  # the second length: the first may equal a model dimension
     linear_first = fits[0][0] + fits[0][1] - quadratic * first**2  # what the quadratic term leaves
     linear = (fits[1][0] - linear_first) / (second - first)
+    saved = lambda length: linear_first + linear * (length - first) + quadratic * length**2
     weights, gradients, state = state_bytes(model, optimizer)
-    return TrainingMemory(weights, gradients, state, copies, linear_first - linear * first, linear, quadratic)
+    memory = TrainingMemory(weights, gradients, state, copies, linear_first - linear * first, linear, quadratic)
+    if not peak:
+        return memory
+    points = (first, second, 4 * second) if quadratic else (first, second)
+    beyond = [step_peak(model, with_length(example, length)) - saved(length) - copies for length in points]
+    return replace(
+        memory, **dict(zip(("transient", "transient_linear", "transient_quadratic"), _polynomial(points, beyond)))
+    )
+
+
+def _polynomial(xs: Sequence[int], ys: Sequence[float]) -> tuple[float, ...]:
+    """The coefficients (constant first) of the polynomial of degree ``len(xs) - 1`` through the points."""
+    solution = torch.linalg.solve(
+        torch.tensor([[float(x) ** k for k in range(len(xs))] for x in xs], dtype=torch.float64),
+        torch.tensor(ys, dtype=torch.float64),
+    )
+    return tuple(solution.tolist())
