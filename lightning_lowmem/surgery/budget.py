@@ -387,7 +387,7 @@ def _taken(plan: BudgetPlan, ladder: _Ladder, total_flops: int) -> BudgetPlan:
     plan.tiled = [ladder.mlps[b].name for b in ladder.blocks if b in ladder.tiled]
     plan.offloaded = [b for b in ladder.checkpointed if b in ladder.offloaded]
     flops = sum(ladder.blocks[b].flops for b in ladder.checkpointed)
-    flops += sum(ladder.mlps[b].flops for b in ladder.tiled if b not in ladder.checkpointed)
+    flops += sum(ladder.mlps[b].flops for b in ladder.tiled)  # a tile inside a recomputed block runs once more
     plan.recompute_fraction = flops / max(total_flops, 1)
     plan.moved_bytes = 2 * sum(ladder.blocks[b].input_bytes for b in plan.offloaded)
     plan.overhead_seconds = flops / DEVICE_FLOPS + plan.moved_bytes / HOST_LINK

@@ -1,0 +1,169 @@
+"""The longest context one GPU trains, predicted: batch 1, at 24 and 80 GiB, stock, stock with every layer
+checkpointed, lightning-lowmem by default and with the budget's whole ladder (every MLP tiled, every block
+checkpointed, its input offloaded to host memory), for Llama-3.1-8B QLoRA nf4 r=32 (Unsloth's row: 78,475 tokens on
+24 GB), LLaMA-2-7B QLoRA r=64 (the paper's) and Qwen2.5-7B LoRA r=16.
+
+How: :func:`lightning_lowmem.training_memory` (weights with their 4-bit state, gradients, AdamW state, the
+activations one forward saves and the step's measured peak beyond them: the backward's gradients, recomputed
+blocks and tiles) of 1- and 2-layer models at each model's real dims, at two lengths, extrapolated to full depth
+(every term is linear in the depth), then ``max_length`` of the budget. With offloading the blocks' inputs live in
+host memory (``layers x hidden x 2 B`` per token, reported): the device's activations are the 1-layer model's
+(the block being recomputed, its input brought back) and do not grow with the depth. Memory is measured on this
+CPU (the step's allocation peak from the profiler's events): a GPU's context, kernels' workspace and the
+allocator's fragmentation are not counted; leave room for them. Predicted overhead: the FLOPs recomputed per
+forward FLOP (measured at the measurement's length; attention's share grows with the length).
+
+    python benchmarks/long_context.py            # writes RESULTS.md "long context" and the README table
+    python benchmarks/long_context.py --smoke    # tiny shapes, nothing written
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import markdown_table, write_section
+from benchmarks.real_scale import (
+    CONFIGS,
+    DECODER_BLOCKS,
+    README,
+    RECIPES,
+    SMOKE,
+    Config,
+    bf16,
+    build,
+    example,
+    extrapolate,
+    quiet,
+)
+from lightning_lowmem import training_memory
+from lightning_lowmem.surgery.budget import take_every_step
+from lightning_lowmem.surgery.convert import Surgery
+from lightning_lowmem.surgery.training_memory import GIB, TrainingMemory
+
+LADDER = ("tile", "checkpoint")  # measured on the host; offload: the inputs leave the device (see the docstring)
+BLOCKS = {"checkpoint": DECODER_BLOCKS}  # a 1-layer model's one block, named (nothing repeats)
+PLANS = {  # name -> (training_memory keywords, offloaded)
+    "stock": ({"lowmem": False}, False),
+    "stock, every layer checkpointed": ({"lowmem": False, "ladder": ["checkpoint"], **BLOCKS}, False),
+    "lightning-lowmem (defaults)": ({}, False),
+    "lightning-lowmem + ladder (tile, checkpoint, offload)": ({"ladder": LADDER, **BLOCKS}, True),
+}
+BUDGETS_GIB = (24, 80)
+
+
+@dataclass(frozen=True)
+class Row:
+    model: str
+    recipe: str
+    quantized: bool
+
+
+ROWS = [
+    Row("Llama-3-8B", "QLoRA nf4 r=32", True),  # Llama-3.1-8B's dims are Llama-3-8B's
+    Row("LLaMA-2-7B", "QLoRA nf4 r=64", True),
+    Row("Qwen2.5-7B", "LoRA r=16", False),
+]
+LORA = {"QLoRA nf4 r=32": 32, "QLoRA nf4 r=64": 64, "LoRA r=16": 16}
+
+
+def memories(config: Config, row: Row, tokens: int) -> dict[str, tuple[TrainingMemory, float]]:
+    """Each plan's full-depth :class:`TrainingMemory` and the FLOPs it recomputes per forward FLOP."""
+    recipe = "qlora" if row.quantized else "lora"
+    RECIPES[recipe][1].update(r=LORA[row.recipe], lora_alpha=2 * LORA[row.recipe], lora_dropout=0.0)
+    depth: dict[str, list[TrainingMemory]] = {name: [] for name in PLANS}
+    overhead: dict[str, float] = {}
+    for layers in (1, 2):
+        with tempfile.TemporaryDirectory() as directory:
+            model = build(config, layers, recipe, directory)
+        x, _ = example(config, tokens)
+        for name, (keywords, _) in PLANS.items():
+            started = time.perf_counter()
+            with bf16():
+                depth[name].append(training_memory(model, x, "adamw", **keywords))
+                if layers == 2 and keywords.get("ladder"):
+                    overhead[name] = recompute_fraction(model, x, keywords)
+            print(f"  {config.name}, {layers} layer(s), {name}: {depth[name][-1].summary()} "
+                  f"({time.perf_counter() - started:.0f} s)", flush=True)  # fmt: skip
+        del model
+        gc.collect()
+    out = {}
+    for name, (_, offloaded) in PLANS.items():
+        one, two = depth[name]
+        memory = extrapolate(one, two, config.layers)
+        if offloaded:  # the activations of the block being recomputed only: the 1-layer model's
+            fields = ("constant", "linear", "quadratic", "transient", "transient_linear", "transient_quadratic")
+            memory = replace(memory, **{f: getattr(one, f) for f in fields})
+        out[name] = (memory, overhead.get(name, 0.0))
+    return out
+
+
+def recompute_fraction(model: torch.nn.Module, x: object, keywords: dict) -> float:
+    """FLOPs the plan recomputes per forward FLOP, on a converted copy of ``model``."""
+    from lightning_lowmem import apply_lowmem
+
+    twin = copy.deepcopy(model)
+    if keywords.get("lowmem", True):
+        apply_lowmem(twin, example_input=x, verify=False, measure=False)
+    return take_every_step(twin, x, Surgery(twin), keywords["ladder"], keywords["checkpoint"]).recompute_fraction
+
+
+def table(tokens: int, smoke: bool) -> str:
+    rows = []
+    for row in ROWS[:1] if smoke else ROWS:
+        config = SMOKE["tiny LLaMA"] if smoke else CONFIGS[row.model]
+        for name, (memory, fraction) in memories(config, row, tokens).items():
+            lengths = [memory.max_length(budget * GIB) for budget in BUDGETS_GIB]
+            host = 2 * config.hidden * config.layers if PLANS[name][1] else 0
+            rows.append([
+                "Llama-3.1-8B" if row.model == "Llama-3-8B" else row.model, row.recipe, name,
+                *(f"{length:,}" for length in lengths), f"{memory.static_bytes / GIB:.2f} GiB",
+                f"{memory.per_token / 1024:.1f} KiB", f"{100 * fraction:.0f}%" if fraction else "-",
+                f"{host / 1024:.0f} KiB ({host * lengths[0] / GIB:.0f} GiB at {lengths[0]:,})" if host else "-",
+            ])  # fmt: skip
+            print(" | ".join(rows[-1]), flush=True)
+    header = [
+        "model (batch 1)", "recipe", "plan", f"max tokens, {BUDGETS_GIB[0]} GiB", f"max tokens, {BUDGETS_GIB[1]} GiB",
+        "fixed (weights, state, constant activations)", "per token (device)", "FLOPs recomputed per forward FLOP",
+        "host memory per token (at 24 GiB's length)",
+    ]  # fmt: skip
+    return markdown_table(header, rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="the tiny LLaMA, nothing written")
+    parser.add_argument("--tokens", type=int, default=128, help="the first measurement length (and 2 x it + 1)")
+    args = parser.parse_args()
+    quiet()
+    body = table(16 if args.smoke else args.tokens, args.smoke)
+    print(body)
+    if args.smoke:
+        return
+    section = (
+        "## Long context: the longest sequence one GPU trains, predicted\n\n"
+        + __doc__.split("\n\n")[1].replace("\n", " ")
+        + " Unsloth's README: Llama-3.1-8B QLoRA r=32 on 24 GB: "
+        "78,475 tokens (Hugging Face + FlashAttention-2: 5,789); 342,733 on 80 GB.\n\n" + body
+    )
+    write_section("long_context", section, "python benchmarks/long_context.py")
+    write_section(
+        "long_context",
+        section.replace("## Long context", "### Long context"),
+        "python benchmarks/long_context.py",
+        README,
+    )
+
+
+if __name__ == "__main__":
+    main()
