@@ -51,13 +51,18 @@ from lightning_lowmem.surgery.budget import take_every_step
 from lightning_lowmem.surgery.convert import Surgery
 from lightning_lowmem.surgery.training_memory import GIB, TrainingMemory
 
-LADDER = ("tile", "checkpoint")  # measured on the host; offload: the inputs leave the device (see the docstring)
 BLOCKS = {"checkpoint": DECODER_BLOCKS}  # a 1-layer model's one block, named (nothing repeats)
-PLANS = {  # name -> (training_memory keywords, offloaded)
+MEASURED_TILE = 32
+"""Positions per MLP tile while measuring: several tiles at the measured lengths, so that the fit's per-token terms
+hold no MLP intermediates; the plan's own tiles (the default, the hidden size) hold that many positions' worth,
+added as a constant: (per-token peak untiled - tiled) x tile."""
+LADDER = "lightning-lowmem + ladder (tile, checkpoint, offload)"
+PLANS = {  # name -> (training_memory keywords, offloaded); offload measured on the host: see the module docstring
     "stock": ({"lowmem": False}, False),
     "stock, every layer checkpointed": ({"lowmem": False, "ladder": ["checkpoint"], **BLOCKS}, False),
     "lightning-lowmem (defaults)": ({}, False),
-    "lightning-lowmem + ladder (tile, checkpoint, offload)": ({"ladder": LADDER, **BLOCKS}, True),
+    "lightning-lowmem, every layer checkpointed": ({"ladder": ["checkpoint"], **BLOCKS}, False),
+    LADDER: ({"ladder": ["tile", "checkpoint"], "tile_tokens": MEASURED_TILE, **BLOCKS}, True),
 }
 BUDGETS_GIB = (24, 80)
 
@@ -78,7 +83,8 @@ LORA = {"QLoRA nf4 r=32": 32, "QLoRA nf4 r=64": 64, "LoRA r=16": 16}
 
 
 def memories(config: Config, row: Row, tokens: int) -> dict[str, tuple[TrainingMemory, float]]:
-    """Each plan's full-depth :class:`TrainingMemory` and the FLOPs it recomputes per forward FLOP."""
+    """Each plan's full-depth :class:`TrainingMemory` and the FLOPs it recomputes per forward FLOP (at full depth,
+    from the 2-layer model's per-block FLOPs)."""
     recipe = "qlora" if row.quantized else "lora"
     RECIPES[recipe][1].update(r=LORA[row.recipe], lora_alpha=2 * LORA[row.recipe], lora_dropout=0.0)
     depth: dict[str, list[TrainingMemory]] = {name: [] for name in PLANS}
@@ -92,7 +98,7 @@ def memories(config: Config, row: Row, tokens: int) -> dict[str, tuple[TrainingM
             with bf16():
                 depth[name].append(training_memory(model, x, "adamw", **keywords))
                 if layers == 2 and keywords.get("ladder"):
-                    overhead[name] = recompute_fraction(model, x, keywords)
+                    overhead[name] = recompute_fraction(model, x, keywords, config.layers)
             print(f"  {config.name}, {layers} layer(s), {name}: {depth[name][-1].summary()} "
                   f"({time.perf_counter() - started:.0f} s)", flush=True)  # fmt: skip
         del model
@@ -104,18 +110,26 @@ def memories(config: Config, row: Row, tokens: int) -> dict[str, tuple[TrainingM
         if offloaded:  # the activations of the block being recomputed only: the 1-layer model's
             fields = ("constant", "linear", "quadratic", "transient", "transient_linear", "transient_quadratic")
             memory = replace(memory, **{f: getattr(one, f) for f in fields})
+        if name == LADDER:  # the plan's own tiles: the hidden size's positions of the MLP's recompute at once
+            untiled = depth["lightning-lowmem, every layer checkpointed"][0]
+            held = max(untiled.per_token - one.per_token, 0.0) * config.hidden
+            memory = replace(memory, transient=memory.transient + held)
         out[name] = (memory, overhead.get(name, 0.0))
     return out
 
 
-def recompute_fraction(model: torch.nn.Module, x: object, keywords: dict) -> float:
-    """FLOPs the plan recomputes per forward FLOP, on a converted copy of ``model``."""
+def recompute_fraction(model: torch.nn.Module, x: object, keywords: dict, layers: int) -> float:
+    """FLOPs the plan recomputes per forward FLOP at ``layers`` blocks, from the 2-layer ``model`` (a converted copy):
+    the blocks' (and their tiles') FLOPs scale with the depth, the embedding's and the head's do not."""
     from lightning_lowmem import apply_lowmem
 
     twin = copy.deepcopy(model)
     if keywords.get("lowmem", True):
         apply_lowmem(twin, example_input=x, verify=False, measure=False)
-    return take_every_step(twin, x, Surgery(twin), keywords["ladder"], keywords["checkpoint"]).recompute_fraction
+    plan = take_every_step(twin, x, Surgery(twin), keywords["ladder"], keywords["checkpoint"])
+    blocks = sum(b.flops for b in plan.blocks)
+    scale = layers / len(plan.blocks)
+    return plan.recomputed_flops * scale / (plan.forward_flops - blocks + blocks * scale)
 
 
 def table(tokens: int, smoke: bool) -> str:

@@ -99,7 +99,18 @@ def test_a_forward_saves_its_seed_alone():
     assert meter.total_bytes == 8  # one int64
     with SavedTensorMeter() as meter:
         F.dropout(x, 0.1)
+    assert meter.total_bytes == x.numel()  # stock as a GPU keeps it: a bool mask
+    with SavedTensorMeter(gpu_dropout=False) as meter:
+        y = F.dropout(x, 0.1)
     assert meter.total_bytes == x.numel() * 4  # stock on CPU: an fp32 noise tensor
+    with SavedTensorMeter():
+        torch.manual_seed(0)
+        z = F.dropout(x, 0.1)
+    kept = z != 0  # the same distribution and scaling; the gradient is the mask, scaled
+    assert F.dropout is not None and 0.85 < kept.float().mean() < 0.95 and y.shape == z.shape
+    torch.testing.assert_close(z[kept], x[kept] / 0.9)
+    z.sum().backward()
+    torch.testing.assert_close(x.grad, kept.float() / 0.9)
 
 
 def test_the_seed_comes_from_torchs_generator():
@@ -266,7 +277,7 @@ def test_hidden_dropout_costs_at_most_three_percent_over_none(family):
             seeded = [m for m in model.modules() if isinstance(m, SeededDropout)]
             assert seeded and not any(type(m) is nn.Dropout and m.p > 0 for m in model.modules())
     assert figures[0.1][1] <= 1.03 * figures[0.0][1], figures
-    assert figures[0.1][0] > 1.05 * figures[0.0][0]  # stock pays for its masks
+    assert figures[0.1][0] > 1.01 * figures[0.0][0]  # stock pays for its masks (a byte an element, as on a GPU)
 
 
 def test_bert_embedding_dropout_keeps_its_norm_shared():

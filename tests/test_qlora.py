@@ -98,7 +98,7 @@ def test_qlora_nf4_with_lora_dropout_saves_what_it_saves_without(tmp_path):
     without = converted(qlora_llama(tmp_path / "none"), x)[1]
     model, report = converted(qlora_llama(tmp_path / "dropout", dropout=0.05), x)
     assert report.activation_bytes_after <= 1.03 * without.activation_bytes_after
-    assert report.activation_bytes_before > 1.2 * without.activation_bytes_before  # stock pays a copy per adapter
+    assert report.activation_bytes_before > 1.1 * without.activation_bytes_before  # stock pays a copy per adapter
     assert model.get_submodule(PREFIX + "layers.0.self_attn.q_proj.lora_A.default").dropout == 0.05
 
 

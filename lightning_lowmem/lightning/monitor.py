@@ -135,7 +135,7 @@ class PeakMemoryMonitor(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         if self.activation_every_n_steps and batch_idx % self.activation_every_n_steps == 0:
-            self._meter = SavedTensorMeter(pl_module).__enter__()
+            self._meter = SavedTensorMeter(pl_module, gpu_dropout=False).__enter__()  # what this device keeps
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:

@@ -5,15 +5,19 @@ The meter counts each *storage* once (a tensor shared by two ops, e.g. an MS nor
 output and the next linear's input, is one storage), skips parameters and buffers, and
 tracks how many bytes the graph holds at any moment, so it reports both the total saved by
 a forward and the peak held. It tells apart the copies of parameters in another dtype that
-autocast makes for each linear (they do not grow with the batch) from activations proper.
+autocast makes for each linear (they do not grow with the batch) from activations proper. Stock dropout is
+measured as a GPU keeps it (see :func:`dropout_as_on_a_gpu`).
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 from typing_extensions import Self
@@ -26,6 +30,25 @@ def observer(hook):
     """``hook``, marked as one that only watches (model surgery may replace the module it is on)."""
     setattr(hook, OBSERVER, True)
     return hook
+
+
+@contextmanager
+def dropout_as_on_a_gpu() -> Iterator[None]:
+    """``F.dropout`` (``nn.Dropout`` calls it) on CPU tensors as ``torch.native_dropout``, which keeps a bool mask for
+    backward, as CUDA's fused dropout does: CPU's own keeps its mask in the input's dtype (4 B an element for
+    fp32), which would overstate what a stock model keeps on a GPU. Same distribution, scaling and gradient."""
+    stock = F.dropout
+
+    def dropout(input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> torch.Tensor:
+        if not training or inplace or p in (0, 1) or input.device.type != "cpu":
+            return stock(input, p, training, inplace)
+        return torch.native_dropout(input, p, True)[0]
+
+    F.dropout = dropout
+    try:
+        yield
+    finally:
+        F.dropout = stock
 
 
 @dataclass(frozen=True)
@@ -68,6 +91,8 @@ class SavedTensorMeter:
             views of one are always excluded); its submodules are used for the per-module
             breakdown, attributing a saved storage to the innermost module running when it
             was first saved.
+        gpu_dropout: run stock dropout as a GPU does while measuring (:func:`dropout_as_on_a_gpu`); ``False``
+            measures this device's own (what a training step here really keeps).
 
     Example::
 
@@ -77,8 +102,9 @@ class SavedTensorMeter:
         loss.backward()  # peak_bytes stays valid; live_bytes drops to 0
     """
 
-    def __init__(self, model: nn.Module | None = None) -> None:
+    def __init__(self, model: nn.Module | None = None, gpu_dropout: bool = True) -> None:
         self.model = model
+        self._dropout = dropout_as_on_a_gpu() if gpu_dropout else None
         self.records: list[SavedStorage] = []
         self.total_bytes = 0
         self.weight_copy_bytes = 0
@@ -106,11 +132,15 @@ class SavedTensorMeter:
             for name, module in self.model.named_modules():
                 self._module_hooks.append(module.register_forward_pre_hook(self._enter_module(name)))
                 self._module_hooks.append(module.register_forward_hook(leave, always_call=True))
+        if self._dropout is not None:
+            self._dropout.__enter__()
         self._graph_hooks.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
         self._graph_hooks.__exit__(*exc)
+        if self._dropout is not None:
+            self._dropout.__exit__(*exc)
         for handle in self._module_hooks:
             handle.remove()
         self._module_hooks.clear()

@@ -156,7 +156,7 @@ def _converted(
     surgery = run(LowMemReport(), model, quiet, example) if lowmem else Surgery(model)
     try:
         if ladder:
-            take_every_step(model, example, surgery, ladder, parsed.checkpoint)
+            take_every_step(model, example, surgery, ladder, parsed.checkpoint, parsed.tile_tokens)
         yield
     finally:
         surgery.rollback()
@@ -338,7 +338,9 @@ def run(report: LowMemReport, model: nn.Module, options: Options, example: Any) 
             if report.saved_bytes_after > report.saved_bytes_before:  # never worse than stock
                 surgery = _keep_what_saves(model, example, decided, surgery, report)
         if options.budget_mib is not None:
-            report.budget = fit_budget(model, example, options.budget_mib, surgery, options.checkpoint, options.rungs)
+            report.budget = fit_budget(
+                model, example, options.budget_mib, surgery, options.checkpoint, options.rungs, options.tile_tokens
+            )
     except BaseException:
         surgery.rollback()
         raise

@@ -89,6 +89,8 @@ class BudgetPlan:
     kept_bytes: int = 0
     recompute_bytes: int = 0
     recompute_fraction: float = 0.0
+    recomputed_flops: int = 0
+    forward_flops: int = 0
     moved_bytes: int = 0
     overhead_seconds: float = 0.0
 
@@ -306,6 +308,7 @@ def fit_budget(
     surgery: Surgery,
     patterns: Sequence[str] = (),
     rungs: Sequence[str] = RUNGS,
+    tile_tokens: int | None = None,
 ) -> BudgetPlan:
     """Take the ladder's steps on ``model`` (through ``surgery``, so they can be undone) until the activation
     memory of a training step on ``example`` is at most ``budget_mib`` (see the module docstring).
@@ -313,7 +316,7 @@ def fit_budget(
     Raises ValueError when the budget is below what every step of ``rungs`` achieves."""
     if not budget_mib > 0:
         raise ValueError(f"apply_lowmem: budget_mib must be a positive number of MiB, got {budget_mib!r}")
-    plan, ladder, total_flops = _measured_ladder(model, example, round(budget_mib * MIB), patterns, rungs)
+    plan, ladder, total_flops = _measured_ladder(model, example, round(budget_mib * MIB), patterns, rungs, tile_tokens)
     taken: list[tuple[str, str]] = []
     while ladder.predicted() > plan.budget_bytes and (step := ladder.best(rungs)) is not None:
         ladder.take(*step)
@@ -341,11 +344,16 @@ def fit_budget(
 
 
 def take_every_step(
-    model: nn.Module, example: Any, surgery: Surgery, rungs: Sequence[str], patterns: Sequence[str] = ()
+    model: nn.Module,
+    example: Any,
+    surgery: Surgery,
+    rungs: Sequence[str],
+    patterns: Sequence[str] = (),
+    tile_tokens: int | None = None,
 ) -> BudgetPlan:
     """Every step of ``rungs`` on ``model`` (through ``surgery``): every MLP tiled, every block checkpointed, every
     checkpointed block offloaded (on a device), as far as each rung applies: the least a step can hold."""
-    plan, ladder, total_flops = _measured_ladder(model, example, 0, patterns, rungs)
+    plan, ladder, total_flops = _measured_ladder(model, example, 0, patterns, rungs, tile_tokens)
     for rung in (r for r in RUNGS if r in rungs):
         # every MLP, even where the example's sequence fits one tile: a longer one will not
         for block in list(ladder.mlps) if rung == "tile" else [block for block, _ in ladder.steps(rung)]:
@@ -358,7 +366,12 @@ def take_every_step(
 
 
 def _measured_ladder(
-    model: nn.Module, example: Any, budget_bytes: int, patterns: Sequence[str], rungs: Sequence[str]
+    model: nn.Module,
+    example: Any,
+    budget_bytes: int,
+    patterns: Sequence[str],
+    rungs: Sequence[str],
+    tile_tokens: int | None,
 ) -> tuple[BudgetPlan, _Ladder, int]:
     """The blocks and MLPs of ``model`` measured on ``example``, and the ladder over them with no step taken."""
     plan = BudgetPlan(budget_bytes=budget_bytes)
@@ -372,7 +385,7 @@ def _measured_ladder(
     by_name = {b.name: b for b in measured}
     plan.blocks = [by_name[n] for n in names if n in by_name]
     plan.mlps = [by_name[n] for n in mlp_names if n in by_name]
-    plan.tile_tokens = max((_hidden_size(model.get_submodule(m.name)) for m in plan.mlps), default=0)
+    plan.tile_tokens = tile_tokens or max((_hidden_size(model.get_submodule(m.name)) for m in plan.mlps), default=0)
     on_host = next((p.device for p in model.parameters()), HOST).type == HOST.type
     ladder = _Ladder(
         total, {b.name: b for b in plan.blocks}, {m.name.rpartition(".")[0]: m for m in plan.mlps},
@@ -388,6 +401,7 @@ def _taken(plan: BudgetPlan, ladder: _Ladder, total_flops: int) -> BudgetPlan:
     plan.offloaded = [b for b in ladder.checkpointed if b in ladder.offloaded]
     flops = sum(ladder.blocks[b].flops for b in ladder.checkpointed)
     flops += sum(ladder.mlps[b].flops for b in ladder.tiled)  # a tile inside a recomputed block runs once more
+    plan.recomputed_flops, plan.forward_flops = flops, total_flops
     plan.recompute_fraction = flops / max(total_flops, 1)
     plan.moved_bytes = 2 * sum(ladder.blocks[b].input_bytes for b in plan.offloaded)
     plan.overhead_seconds = flops / DEVICE_FLOPS + plan.moved_bytes / HOST_LINK

@@ -114,6 +114,12 @@ class Options:
         tiles of the sequence, each recomputed in backward), ``"checkpoint"`` (a block recomputed in backward),
         ``"offload"`` (a checkpointed block's input kept in host memory); leave one out to forbid it."""),
     ] = RUNGS
+    tile_tokens: Annotated[
+        int | None,
+        Doc("""
+        positions per tile of a tiled MLP (the ``"tile"`` rung): its backward holds this many positions'
+        intermediates at once; default the MLP's input features (Snowflake's ALST: about one weight matrix)."""),
+    ] = None
     checkpoint: Annotated[
         Patterns,
         Doc("""
@@ -143,6 +149,9 @@ class Options:
         if not set(rungs) <= set(RUNGS):
             raise ValueError(f"apply_lowmem: rungs must be some of {RUNGS}, got {self.rungs!r}")
         set_("rungs", rungs)
+        tile = self.tile_tokens
+        if tile is not None and (isinstance(tile, bool) or not isinstance(tile, int) or tile < 1):
+            raise ValueError(f"apply_lowmem: tile_tokens must be a positive number of positions, got {tile!r}")
         budget = self.budget_mib
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget <= 0):
             raise ValueError(f"apply_lowmem: budget_mib must be a positive number of MiB, got {budget!r}")
