@@ -14,6 +14,7 @@ allocator's fragmentation are not counted; leave room for them. Predicted overhe
 forward FLOP (measured at the measurement's length; attention's share grows with the length).
 
     python benchmarks/long_context.py            # writes RESULTS.md "long context" and the README table
+    python benchmarks/long_context.py --timing   # each rung's step time on this CPU (a quiet machine): "ladder timing"
     python benchmarks/long_context.py --smoke    # tiny shapes, nothing written
 """
 
@@ -22,9 +23,11 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
+import multiprocessing
 import sys
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -32,7 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import markdown_table, write_section
+from benchmarks.common import interleaved_times, markdown_table, paired_ratio, write_section
 from benchmarks.real_scale import (
     CONFIGS,
     DECODER_BLOCKS,
@@ -47,8 +50,11 @@ from benchmarks.real_scale import (
     quiet,
 )
 from lightning_lowmem import training_memory
+from lightning_lowmem.surgery.apply import run
 from lightning_lowmem.surgery.budget import take_every_step
 from lightning_lowmem.surgery.convert import Surgery
+from lightning_lowmem.surgery.options import Options
+from lightning_lowmem.surgery.report import LowMemReport
 from lightning_lowmem.surgery.training_memory import GIB, TrainingMemory
 
 BLOCKS = {"checkpoint": DECODER_BLOCKS}  # a 1-layer model's one block, named (nothing repeats)
@@ -119,14 +125,14 @@ def memories(config: Config, row: Row, tokens: int) -> dict[str, tuple[TrainingM
 
 
 def recompute_fraction(model: torch.nn.Module, x: object, keywords: dict, layers: int) -> float:
-    """FLOPs the plan recomputes per forward FLOP at ``layers`` blocks, from the 2-layer ``model`` (a converted copy):
-    the blocks' (and their tiles') FLOPs scale with the depth, the embedding's and the head's do not."""
-    from lightning_lowmem import apply_lowmem
-
-    twin = copy.deepcopy(model)
-    if keywords.get("lowmem", True):
-        apply_lowmem(twin, example_input=x, verify=False, measure=False)
-    plan = take_every_step(twin, x, Surgery(twin), keywords["ladder"], keywords["checkpoint"])
+    """FLOPs the plan recomputes per forward FLOP at ``layers`` blocks, from the 2-layer ``model`` (converted, then put
+    back): the blocks' (and their tiles') FLOPs scale with the depth, the embedding's and the head's do not."""
+    options = Options(verify=False, measure=False)
+    surgery = run(LowMemReport(), model, options, x) if keywords.get("lowmem", True) else Surgery(model)
+    try:
+        plan = take_every_step(model, x, surgery, keywords["ladder"], keywords["checkpoint"])
+    finally:
+        surgery.rollback()
     blocks = sum(b.flops for b in plan.blocks)
     scale = layers / len(plan.blocks)
     return plan.recomputed_flops * scale / (plan.forward_flops - blocks + blocks * scale)
@@ -134,9 +140,15 @@ def recompute_fraction(model: torch.nn.Module, x: object, keywords: dict, layers
 
 def table(tokens: int, smoke: bool) -> str:
     rows = []
+    context = multiprocessing.get_context("spawn")
     for row in ROWS[:1] if smoke else ROWS:
         config = SMOKE["tiny LLaMA"] if smoke else CONFIGS[row.model]
-        for name, (memory, fraction) in memories(config, row, tokens).items():
+        if smoke:
+            measured = memories(config, row, tokens)
+        else:  # each model in a process of its own: glibc keeps the freed heap of the last 8B model
+            with ProcessPoolExecutor(1, mp_context=context, initializer=quiet) as pool:
+                measured = pool.submit(memories, config, row, tokens).result()
+        for name, (memory, fraction) in measured.items():
             lengths = [memory.max_length(budget * GIB) for budget in BUDGETS_GIB]
             host = 2 * config.hidden * config.layers if PLANS[name][1] else 0
             rows.append([
@@ -154,12 +166,80 @@ def table(tokens: int, smoke: bool) -> str:
     return markdown_table(header, rows)
 
 
+TIMED = {  # name -> rungs, every step taken (offload copies to host memory: here, from the CPU to the CPU)
+    "lightning-lowmem (defaults)": (),
+    "+ tile every MLP": ("tile",),
+    "+ checkpoint every block": ("checkpoint",),
+    "+ tile + checkpoint": ("tile", "checkpoint"),
+    "+ tile + checkpoint + offload": ("tile", "checkpoint", "offload"),
+}
+
+
+def timing(smoke: bool) -> str:
+    """Step time (forward and backward) of a LLaMA-architecture LoRA model per plan, interleaved, ratio to the
+    converted model without the ladder: what each rung costs on this CPU. Offload is taken by telling the budget
+    that the host is elsewhere (it copies each block's input to host memory and back, as on a device)."""
+    from lightning_lowmem import apply_lowmem
+    from lightning_lowmem.surgery import budget
+
+    hidden, layers, tokens = (64, 2, 256) if smoke else (512, 4, 2048)
+    config = Config(
+        "LLaMA (timing)", "Llama", hidden, round(hidden * 11008 / 4096), hidden // 64, hidden // 64, layers, 32000
+    )
+    RECIPES["lora"][1].update(r=16, lora_alpha=32, lora_dropout=0.05)
+    base = build(config, layers, "lora", "", attention="sdpa").float()
+    x, _ = example(config, tokens)
+    steps = {}
+    host, budget.HOST = budget.HOST, torch.device("meta")  # the model counts as on a device: offload is taken
+    try:
+        for name, rungs in TIMED.items():
+            model = copy.deepcopy(base)
+            apply_lowmem(model, example_input=x, verify=False, measure=False)
+            if rungs:
+                take_every_step(model, x, Surgery(model), rungs, DECODER_BLOCKS, tile_tokens=hidden)
+
+            def step(model: torch.nn.Module = model) -> None:
+                model.zero_grad(set_to_none=True)
+                model(**x).loss.backward()
+
+            steps[name] = step
+    finally:
+        budget.HOST = host
+    times = interleaved_times(steps, repeats=3 if smoke else 15, warmup=1)
+    reference = times["lightning-lowmem (defaults)"]
+    rows = []
+    for name, samples in times.items():
+        ratio, low, high = paired_ratio(samples, reference)
+        rows.append(
+            [name, f"{1e3 * sorted(samples)[len(samples) // 2]:.0f} ms", f"{ratio:.2f}x ({low:.2f}-{high:.2f})"]
+        )
+    header = [
+        "plan (every step of its rungs)",
+        f"step, {tokens} tokens (median)",
+        "vs the converted model (95% interval)",
+    ]
+    return (
+        f"LLaMA-2 proportions at hidden {hidden}, {layers} layers, vocabulary 32,000, LoRA r=16 on every linear, "
+        f"`lora_dropout` 0.05, fp32, batch 1 x {tokens} tokens, tiles of {hidden} positions; forward and backward, "
+        "median of interleaved rounds, each round's ratio to the converted model without the ladder.\n\n"
+        + markdown_table(header, rows)
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="the tiny LLaMA, nothing written")
     parser.add_argument("--tokens", type=int, default=128, help="the first measurement length (and 2 x it + 1)")
+    parser.add_argument("--timing", action="store_true", help="each rung's step time on this CPU, then exit")
     args = parser.parse_args()
     quiet()
+    if args.timing:
+        body = timing(args.smoke)
+        print(body)
+        if not args.smoke:
+            section = "## Long context: what each rung of the ladder costs (CPU)\n\n" + body
+            write_section("ladder_timing", section, "python benchmarks/long_context.py --timing")
+        return
     body = table(16 if args.smoke else args.tokens, args.smoke)
     print(body)
     if args.smoke:

@@ -245,8 +245,13 @@ def test_the_ladder_tiles_mlps_first_and_each_rung_can_be_left_out():
         torch.testing.assert_close(ours[name], grad, rtol=1e-5, atol=1e-7, msg=name)
     without_tiles = plan(llama_lora()[0], batch, budget_mib=0.8 * need / MIB, rungs=["checkpoint"]).budget
     assert without_tiles.tiled == [] and without_tiles.checkpointed
+    smaller_tiles = plan(llama_lora()[0], batch, budget_mib=0.8 * need / MIB, tile_tokens=32).budget
+    assert smaller_tiles.tile_tokens == 32 and "(32 tokens a tile)" in smaller_tiles.summary()
+    assert smaller_tiles.recompute_bytes < budget.recompute_bytes  # its backward holds half a tile of 64
     with pytest.raises(ValueError, match=r"rungs must be some of \('tile', 'checkpoint', 'offload'\)"):
         apply_lowmem(model, example_input=batch, rungs=["tile", "swap"])
+    with pytest.raises(ValueError, match="tile_tokens must be a positive number of positions, got 0"):
+        apply_lowmem(model, example_input=batch, tile_tokens=0)
 
 
 def test_offload_frees_the_checkpointed_inputs_on_a_device_and_is_never_taken_on_the_host(monkeypatch):
