@@ -82,8 +82,8 @@ def main() -> None:
         return
     intro = (
         "Activation bytes of one training forward (saved for backward, CPU, autocast's weight copies apart) of "
-        "the same model with dropout off and on. Stock dropout keeps its mask (fp32 noise on CPU, a bool per "
-        "element on CUDA) and peft's LoRA a dropped copy of the input per adapted layer; here a seeded dropout "
+        "the same model with dropout off and on. Stock dropout keeps its mask, counted as a GPU keeps it (a bool per "
+        "element, `torch.native_dropout`'s: CPU's own `F.dropout` keeps fp32 noise) and peft's LoRA a dropped copy of the input per adapted layer; here a seeded dropout "
         "keeps a seed, LoRA dropouts fold into their `lora_A`, and the norms stay shared.\n\n"
     )
     write_section("dropout", "## Dropout: what it costs\n\n" + intro + table, "python benchmarks/dropout.py")
