@@ -49,8 +49,10 @@ def register() -> bool:
 
 def attends_through_the_interface(model: nn.Module) -> bool:
     """Whether ``model``'s modeling code picks its attention from transformers' ``ALL_ATTENTION_FUNCTIONS`` and never
-    tests for ``"sdpa"`` itself (Falcon's does, and takes another path for any other name)."""
-    return _attends_through_the_interface(type(model).__module__)
+    tests for ``"sdpa"`` itself (Falcon's does, and takes another path for any other name). The modeling code is
+    that of the model's own class, under any class torch's wrappers make (FSDP2's ``FSDPLlamaForCausalLM``)."""
+    own = next((c for c in type(model).__mro__ if not c.__module__.startswith("torch.")), type(model))
+    return _attends_through_the_interface(own.__module__)
 
 
 @cache
