@@ -51,7 +51,7 @@ def checkpoint_every_block(model: nn.Module, example: torch.Tensor) -> BudgetPla
     plan = BudgetPlan(budget_bytes=0, blocks=blocks, checkpointed=names)
     plan.forward_bytes = measure_saved(model, example).total_bytes
     plan.recompute_bytes = max(b.own_bytes for b in blocks)
-    plan.recompute_fraction = sum(b.flops for b in blocks) / total_flops
+    plan.recomputed_flops, plan.forward_flops = sum(b.flops for b in blocks), total_flops
     return plan
 
 

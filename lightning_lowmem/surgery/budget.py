@@ -73,8 +73,8 @@ class BudgetPlan:
 
     ``forward_bytes``: saved by one forward with the plan (measured), ``kept_bytes``: the device inputs the
     recomputing forwards keep (which saved-tensor hooks do not see), ``recompute_bytes``: held by the largest
-    recompute in backward. ``recompute_fraction``: FLOPs recomputed per forward FLOP; ``moved_bytes``: sent to
-    the host and back per step; ``overhead_seconds``: their predicted cost (:data:`DEVICE_FLOPS`, :data:`HOST_LINK`).
+    recompute in backward. ``recomputed_flops`` per ``forward_flops``: what the steps recompute; ``moved_bytes``:
+    sent to the host and back per step; :attr:`overhead_seconds`: their predicted cost.
     """
 
     budget_bytes: int
@@ -88,11 +88,19 @@ class BudgetPlan:
     forward_bytes: int = 0
     kept_bytes: int = 0
     recompute_bytes: int = 0
-    recompute_fraction: float = 0.0
     recomputed_flops: int = 0
     forward_flops: int = 0
     moved_bytes: int = 0
-    overhead_seconds: float = 0.0
+
+    @property
+    def recompute_fraction(self) -> float:
+        """FLOPs recomputed per forward FLOP."""
+        return self.recomputed_flops / max(self.forward_flops, 1)
+
+    @property
+    def overhead_seconds(self) -> float:
+        """The steps' predicted cost a step (:data:`DEVICE_FLOPS`, :data:`HOST_LINK`)."""
+        return self.recomputed_flops / DEVICE_FLOPS + self.moved_bytes / HOST_LINK
 
     @property
     def measured_bytes(self) -> int:
@@ -179,8 +187,7 @@ def measure_blocks(model: nn.Module, example: Any, names: list[str]) -> tuple[li
     inputs: dict[str, tuple[int, int]] = {}
 
     def record_inputs(name: str, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        tensors = [t for t in tensors_in([args, kwargs]) if not isinstance(t, nn.Parameter)]
-        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+        storages = _input_storages(args, kwargs)
         first = args[0] if args and isinstance(args[0], torch.Tensor) else None
         inputs.setdefault(
             name, (sum(storages.values()), first.shape[-2] if first is not None and first.dim() >= 2 else 0)
@@ -402,9 +409,7 @@ def _taken(plan: BudgetPlan, ladder: _Ladder, total_flops: int) -> BudgetPlan:
     flops = sum(ladder.blocks[b].flops for b in ladder.checkpointed)
     flops += sum(ladder.mlps[b].flops for b in ladder.tiled)  # a tile inside a recomputed block runs once more
     plan.recomputed_flops, plan.forward_flops = flops, total_flops
-    plan.recompute_fraction = flops / max(total_flops, 1)
     plan.moved_bytes = 2 * sum(ladder.blocks[b].input_bytes for b in plan.offloaded)
-    plan.overhead_seconds = flops / DEVICE_FLOPS + plan.moved_bytes / HOST_LINK
     return plan
 
 
@@ -421,9 +426,7 @@ def _measure(model: nn.Module, example: Any, ladder: _Ladder) -> tuple[int, int]
     kept: dict[int, int] = {}
 
     def record(module: nn.Module, args: tuple, kwargs: dict) -> None:
-        for t in tensors_in([args, kwargs]):
-            if not isinstance(t, nn.Parameter) and (ladder.on_host or t.device.type != HOST.type):
-                kept.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+        kept.update(_input_storages(args, kwargs, device_only=not ladder.on_host))
 
     keeping = [b for b in ladder.checkpointed if b not in ladder.offloaded]
     handles = [model.get_submodule(b).register_forward_pre_hook(record, with_kwargs=True) for b in keeping]
@@ -434,6 +437,17 @@ def _measure(model: nn.Module, example: Any, ladder: _Ladder) -> tuple[int, int]
             handle.remove()
     counted = {ptr for _, ptr in meter.storages}
     return meter.total_bytes, sum(n for ptr, n in kept.items() if ptr not in counted)
+
+
+def _input_storages(args: tuple, kwargs: dict, device_only: bool = False) -> dict[int, int]:
+    """The storages of a call's tensor inputs (parameters apart; with ``device_only``, those off the host), by data
+    pointer, with their bytes."""
+    tensors = (t for t in tensors_in([args, kwargs]) if not isinstance(t, nn.Parameter))
+    return {
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+        for t in tensors
+        if not device_only or t.device.type != HOST.type
+    }
 
 
 def _hidden_size(mlp: nn.Module) -> int:
