@@ -106,6 +106,20 @@ def test_max_batch_size_is_the_largest_batch_that_fits(need):
         assert (meter.total_bytes <= budget_mib * MIB) is fits, batch
 
 
+def test_max_batch_size_with_the_ladder_is_the_largest_batch_the_budget_meets(need):
+    model, x = vit_small(), images(4)
+    budget_mib = need / MIB
+    plain = max_batch_size(model, x, budget_mib)
+    size = max_batch_size(model, x, budget_mib, ladder="checkpoint")
+    assert size > 2 * plain and not any("forward" in vars(m) for m in model.modules())  # nothing changed
+    report = apply_lowmem(copy.deepcopy(model), example_input=images(size), budget_mib=budget_mib, rungs="checkpoint")
+    assert report.budget.measured_bytes <= budget_mib * MIB
+    with pytest.raises(ValueError, match="cannot be met at this batch"):
+        apply_lowmem(copy.deepcopy(model), example_input=images(size + 1), budget_mib=budget_mib, rungs="checkpoint")
+    with pytest.raises(ValueError, match="rungs must be some of"):
+        max_batch_size(model, x, budget_mib, ladder=("recompute",))
+
+
 def test_a_budgeted_model_keeps_its_state_dict_and_pickles(need):
     model = vit_small()
     keys = list(model.state_dict())

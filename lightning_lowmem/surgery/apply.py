@@ -118,38 +118,67 @@ def plan(model: nn.Module, example_input: Any, **options: Any) -> LowMemReport:
 
 
 @takes_options
-def max_batch_size(model: nn.Module, example_input: Any, budget_mib: float, **options: Any) -> int:
-    """The largest batch whose activation memory after :func:`apply_lowmem` (without checkpointing)
-    fits ``budget_mib``, ``model`` left unchanged.
+def max_batch_size(
+    model: nn.Module, example_input: Any, budget_mib: float, ladder: Sequence[str] = (), **options: Any
+) -> int:
+    """The largest batch whose activation memory after :func:`apply_lowmem` fits ``budget_mib``, ``model`` left
+    unchanged: without ``ladder``, what one forward saves; with it, what every step of those rungs leaves (saved,
+    kept for the recomputes and held by the largest recompute), i.e. the largest batch at which
+    ``apply_lowmem(budget_mib=..., rungs=ladder)`` meets the budget.
 
     Activations grow linearly with the batch (dim 0 of every tensor of ``example_input``) and
     autocast's weight copies do not: the estimate extrapolates one measurement on the example,
-    then measures the converted model at that size and steps down until it fits.
+    then measures the converted model at that size and moves by one until it is the largest that fits.
 
     Args:
         model: the model, as for :func:`apply_lowmem`.
         example_input: an input whose tensors share their batch size (dim 0).
         budget_mib: the activation memory to fit, in MiB.
+        ladder: rungs of the budget's ladder (``"tile"``, ``"checkpoint"``, ``"offload"``) whose every step is
+            taken at each size measured; ``()``: none.
         {options}
     """
+    owner = "max_batch_size"
     budget_bytes = round(budget_mib * MIB)
-    with _converted(model, example_input, options, "max_batch_size", lowmem=True):
-        meter = measure_saved(model, example_input)
-        per_row = max(meter.activation_bytes / batch_size(example_input, "max_batch_size"), 1.0)
-        size = int((budget_bytes - meter.weight_copy_bytes) // per_row)
-        while size >= 1 and measure_saved(model, with_batch_size(example_input, size)).total_bytes > budget_bytes:
+    ladder = Options(rungs=ladder).rungs  # validated
+    with _converted(model, example_input, options, owner, lowmem=True) as parsed:
+
+        def fits(size: int) -> bool:
+            return _activation_bytes(model, with_batch_size(example_input, size), parsed, ladder)[0] <= budget_bytes
+
+        measured, fixed = _activation_bytes(model, example_input, parsed, ladder)
+        per_row = max((measured - fixed) / batch_size(example_input, owner), 1.0)
+        size = int((budget_bytes - fixed) // per_row)
+        while size >= 1 and not fits(size):
             size -= 1
+        while size >= 1 and fits(size + 1):
+            size += 1
     if size < 1:
-        raise ValueError(f"max_batch_size: not even one example fits {budget_mib:g} MiB of activations")
+        raise ValueError(f"{owner}: not even one example fits {budget_mib:g} MiB of activations")
     return size
+
+
+def _activation_bytes(model: nn.Module, example: Any, options: Options, ladder: Sequence[str]) -> tuple[int, int]:
+    """What a training step on ``example`` holds of activations, and the part that does not grow with the batch
+    (autocast's weight copies; none counted under a ladder): one forward's saved bytes, or with ``ladder`` the
+    budget's measurement with every step of those rungs taken (then undone)."""
+    if not ladder:
+        meter = measure_saved(model, example)
+        return meter.total_bytes, meter.weight_copy_bytes
+    surgery = Surgery(model)
+    try:
+        steps = take_every_step(model, example, surgery, ladder, options.checkpoint, options.tile_tokens)
+    finally:
+        surgery.rollback()
+    return steps.measured_bytes, 0
 
 
 @contextmanager
 def _converted(
     model: nn.Module, example: Any, options: dict[str, Any], owner: str, lowmem: bool, ladder: Sequence[str] = ()
-) -> Iterator[None]:
+) -> Iterator[Options]:
     """``model`` converted quietly (no check, no measurement) for the duration, unless not ``lowmem``, and every
-    step of the ``ladder``'s rungs taken."""
+    step of the ``ladder``'s rungs taken; yields the parsed options."""
     parsed = Options.parse(options, owner).check_patterns(model)
     ladder = Options(rungs=ladder).rungs  # validated
     quiet = Options(**{**parsed.as_dict(), "verify": False, "measure": False})
@@ -157,7 +186,7 @@ def _converted(
     try:
         if ladder:
             take_every_step(model, example, surgery, ladder, parsed.checkpoint, parsed.tile_tokens)
-        yield
+        yield parsed
     finally:
         surgery.rollback()
 
