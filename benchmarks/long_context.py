@@ -10,8 +10,10 @@ blocks and tiles) of 1- and 2-layer models at each model's real dims, at two len
 host memory (``layers x hidden x 2 B`` per token, reported): the device's activations are the 1-layer model's
 (the block being recomputed, its input brought back) and do not grow with the depth. Memory is measured on this
 CPU (the step's allocation peak from the profiler's events): a GPU's context, kernels' workspace and the
-allocator's fragmentation are not counted; leave room for them. Predicted overhead: the FLOPs recomputed per
-forward FLOP (measured at the measurement's length; attention's share grows with the length).
+allocator's fragmentation are not counted; leave room for them. Predicted step time: each plan's training step's
+FLOPs (counted at the two lengths, recomputes included, as a GPU runs them: ``linear T + quadratic T^2``, the
+quadratic part attention's) at the 24 GiB length, over its model's without recompute, at 400 TFLOP/s, plus the
+checkpoints' trip to the host and back at 25 GB/s, not overlapped.
 
     python benchmarks/long_context.py            # writes RESULTS.md "long context" and the README table
     python benchmarks/long_context.py --timing   # each rung's step time on this CPU (a quiet machine): "ladder timing"
@@ -28,7 +30,7 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 import torch
@@ -47,15 +49,15 @@ from benchmarks.real_scale import (
     build,
     example,
     extrapolate,
+    full_depth,
     quiet,
 )
-from lightning_lowmem import training_memory
-from lightning_lowmem.surgery.apply import run
-from lightning_lowmem.surgery.budget import take_every_step
+from lightning_lowmem.surgery.apply import while_converted
+from lightning_lowmem.surgery.budget import DEVICE_FLOPS, HOST_LINK, take_every_step
 from lightning_lowmem.surgery.convert import Surgery
-from lightning_lowmem.surgery.options import Options
-from lightning_lowmem.surgery.report import LowMemReport
-from lightning_lowmem.surgery.training_memory import GIB, TrainingMemory
+from lightning_lowmem.surgery.example import isolated
+from lightning_lowmem.surgery.flops import flop_counter
+from lightning_lowmem.surgery.training_memory import GIB, TrainingMemory, fit_lengths, polynomial, with_length
 
 BLOCKS = {"checkpoint": DECODER_BLOCKS}  # a 1-layer model's one block, named (nothing repeats)
 MEASURED_TILE = 32
@@ -88,62 +90,88 @@ ROWS = [
 LORA = {"QLoRA nf4 r=32": 32, "QLoRA nf4 r=64": 64, "LoRA r=16": 16}
 
 
-def memories(config: Config, row: Row, tokens: int) -> dict[str, tuple[TrainingMemory, float]]:
-    """Each plan's full-depth :class:`TrainingMemory` and the FLOPs it recomputes per forward FLOP (at full depth,
-    from the 2-layer model's per-block FLOPs)."""
+def memories(config: Config, row: Row, tokens: int) -> dict[str, tuple[TrainingMemory, Flops]]:
+    """Each plan's full-depth :class:`TrainingMemory` and training step's FLOPs."""
     recipe = "qlora" if row.quantized else "lora"
     RECIPES[recipe][1].update(r=LORA[row.recipe], lora_alpha=2 * LORA[row.recipe], lora_dropout=0.0)
-    depth: dict[str, list[TrainingMemory]] = {name: [] for name in PLANS}
-    overhead: dict[str, float] = {}
+    lengths = (tokens, 2 * tokens + 1)
+    counted = (tokens, 2 * tokens, 4 * tokens)  # multiples of the measured tile
+    depth: dict[str, list[tuple[TrainingMemory, Flops]]] = {name: [] for name in PLANS}
     for layers in (1, 2):
         with tempfile.TemporaryDirectory() as directory:
             model = build(config, layers, recipe, directory)
         x, _ = example(config, tokens)
         for name, (keywords, _) in PLANS.items():
             started = time.perf_counter()
-            with bf16():
-                depth[name].append(training_memory(model, x, "adamw", **keywords))
-                if layers == 2 and keywords.get("ladder"):
-                    overhead[name] = recompute_fraction(model, x, keywords, config.layers)
-            print(f"  {config.name}, {layers} layer(s), {name}: {depth[name][-1].summary()} "
+            options = dict(keywords)
+            lowmem, ladder = options.pop("lowmem", True), options.pop("ladder", ())
+            with bf16(), while_converted(model, x, options, "long_context", lowmem, ladder):
+                memory = fit_lengths(model, x, lengths, "adamw")
+                flops = Flops.fit(counted, [step_flops(model, with_length(x, n)) for n in counted])
+            depth[name].append((memory, flops))
+            print(f"  {config.name}, {layers} layer(s), {name}: {memory.summary()}; {flops} "
                   f"({time.perf_counter() - started:.0f} s)", flush=True)  # fmt: skip
         del model
         gc.collect()
     out = {}
     for name, (_, offloaded) in PLANS.items():
-        one, two = depth[name]
+        (one, one_flops), (two, two_flops) = depth[name]
         memory = extrapolate(one, two, config.layers)
         if offloaded:  # the activations of the block being recomputed only: the 1-layer model's
-            fields = ("constant", "linear", "quadratic", "transient", "transient_linear", "transient_quadratic")
-            memory = replace(memory, **{f: getattr(one, f) for f in fields})
+            terms = ("constant", "linear", "quadratic", "transient", "transient_linear", "transient_quadratic")
+            memory = replace(memory, **{t: getattr(one, t) for t in terms})
         if name == LADDER:  # the plan's own tiles: the hidden size's positions of the MLP's recompute at once
-            untiled = depth["lightning-lowmem, every layer checkpointed"][0]
+            untiled = depth["lightning-lowmem, every layer checkpointed"][0][0]
             held = max(untiled.per_token - one.per_token, 0.0) * config.hidden
             memory = replace(memory, transient=memory.transient + held)
-        out[name] = (memory, overhead.get(name, 0.0))
+        out[name] = (memory, one_flops.at_depth(two_flops, config.layers))
     return out
 
 
-def recompute_fraction(model: torch.nn.Module, x: object, keywords: dict, layers: int) -> float:
-    """FLOPs the plan recomputes per forward FLOP at ``layers`` blocks, from the 2-layer ``model`` (converted, then put
-    back): the blocks' (and their tiles') FLOPs scale with the depth, the embedding's and the head's do not."""
-    options = Options(verify=False, measure=False)
-    surgery = run(LowMemReport(), model, options, x) if keywords.get("lowmem", True) else Surgery(model)
-    try:
-        plan = take_every_step(model, x, surgery, keywords["ladder"], keywords["checkpoint"])
-    finally:
-        surgery.rollback()
-    blocks = sum(b.flops for b in plan.blocks)
-    scale = layers / len(plan.blocks)
-    return plan.recomputed_flops * scale / (plan.forward_flops - blocks + blocks * scale)
+@dataclass(frozen=True)
+class Flops:
+    """A training step's FLOPs (forward, backward and the recomputes in it): ``constant + linear T + quadratic T^2``
+    (the quadratic term attention's; the constant the one tile a tiled recompute skips: its last, still held)."""
+
+    constant: float
+    linear: float
+    quadratic: float
+
+    @classmethod
+    def fit(cls, lengths: tuple[int, ...], counted: list[int]) -> Flops:
+        return cls(*polynomial(lengths, counted))
+
+    def at(self, tokens: int) -> float:
+        return self.constant + self.linear * tokens + self.quadratic * tokens**2
+
+    def at_depth(self, two: Flops, layers: int) -> Flops:
+        """From this 1-layer fit and the 2-layer one, at ``layers`` blocks (each term linear in the depth)."""
+        return Flops(*(full_depth(getattr(self, f.name), getattr(two, f.name), layers) for f in fields(self)))
+
+    def __str__(self) -> str:
+        return f"step {self.linear / 1e9:.2f} GFLOP per token + {self.quadratic / 1e6:.2f} MFLOP per token pair"
 
 
-def recomputed(fraction: float, quantized: bool) -> str:
-    """The FLOPs-recomputed cell: torch's FLOP counter does not see bitsandbytes' 4-bit matmuls, so a QLoRA model's
-    fraction would count its adapters and attention only."""
-    if not fraction:
+def step_flops(model: torch.nn.Module, x: dict) -> int:
+    """FLOPs of one training step on ``x`` (recomputes included), as a GPU would run it (:func:`flop_counter`)."""
+    with isolated(model, train=True), flop_counter() as counter:
+        model(**x).loss.backward()
+    model.zero_grad(set_to_none=True)
+    return counter.get_total_flops()
+
+
+def overhead(plan: str, flops: dict[str, Flops], tokens: int, moved_bytes: float) -> str:
+    """The plan's predicted step time over its model's without recompute (stock's, or the converted model's) at
+    ``tokens``: FLOPs at :data:`DEVICE_FLOPS`, the checkpoints' trip to the host and back at :data:`HOST_LINK`
+    (not overlapped: the copies run on the compute stream)."""
+    base = "stock" if plan.startswith("stock") else "lightning-lowmem (defaults)"
+    if plan == base:
         return "-"
-    return "(4-bit matmuls not counted)" if quantized else f"{100 * fraction:.0f}%"
+    base_flops = flops[base].at(tokens)
+    recompute = flops[plan].at(tokens) / base_flops - 1
+    transfer = moved_bytes / HOST_LINK / (base_flops / DEVICE_FLOPS)
+    parts = f"recompute +{100 * recompute:.0f}%" + (f", transfer +{100 * transfer:.0f}%" if transfer else "")
+    return f"+{100 * (recompute + transfer):.0f}% ({parts})"
 
 
 def table(tokens: int, smoke: bool) -> str:
@@ -156,20 +184,21 @@ def table(tokens: int, smoke: bool) -> str:
         else:  # each model in a process of its own: glibc keeps the freed heap of the last 8B model
             with ProcessPoolExecutor(1, mp_context=context, initializer=quiet) as pool:
                 measured = pool.submit(memories, config, row, tokens).result()
-        for name, (memory, fraction) in measured.items():
+        flops = {name: step for name, (_, step) in measured.items()}
+        for name, (memory, _) in measured.items():
             lengths = [memory.max_length(budget * GIB) for budget in BUDGETS_GIB]
             host = 2 * config.hidden * config.layers if PLANS[name][1] else 0
             rows.append([
                 "Llama-3.1-8B" if row.model == "Llama-3-8B" else row.model, row.recipe, name,
                 *(f"{length:,}" for length in lengths), f"{memory.static_bytes / GIB:.2f} GiB",
-                f"{memory.per_token / 1024:.1f} KiB", recomputed(fraction, row.quantized),
+                f"{memory.per_token / 1024:.1f} KiB", overhead(name, flops, lengths[0], 2 * host * lengths[0]),
                 f"{host / 1024:.0f} KiB ({host * lengths[0] / GIB:.0f} GiB at {lengths[0]:,})" if host else "-",
             ])  # fmt: skip
             print(" | ".join(rows[-1]), flush=True)
     header = [
         "model (batch 1)", "recipe", "plan", f"max tokens, {BUDGETS_GIB[0]} GiB", f"max tokens, {BUDGETS_GIB[1]} GiB",
-        "fixed (weights, state, constant activations)", "per token (device)", "FLOPs recomputed per forward FLOP",
-        "host memory per token (at 24 GiB's length)",
+        "fixed (weights, state, constant activations)", "per token (device)",
+        f"predicted step time, at {BUDGETS_GIB[0]} GiB's length", "host memory per token (at 24 GiB's length)",
     ]  # fmt: skip
     return markdown_table(header, rows)
 
@@ -248,7 +277,7 @@ def main() -> None:
             section = "## Long context: what each rung of the ladder costs (CPU)\n\n" + body
             write_section("ladder_timing", section, "python benchmarks/long_context.py --timing")
         return
-    body = table(16 if args.smoke else args.tokens, args.smoke)
+    body = table(2 * MEASURED_TILE if args.smoke else args.tokens, args.smoke)
     print(body)
     if args.smoke:
         return
@@ -262,7 +291,10 @@ EXPLANATION = (
     "forward saves and the step's measured peak beyond them (the backward's gradients, recomputed blocks and tiles); "
     "every term extrapolated to full depth, then the longest length that fits. The ladder: every MLP tiled (tiles of "
     "the hidden size), every block checkpointed, its input in host memory (pinned; its size per token is the last "
-    "column): the device's activations are then one block's recompute and do not grow with the depth. Measured on "
+    "column): the device's activations are then one block's recompute and do not grow with the depth. Predicted step "
+    "time: the training step's FLOPs (counted at both lengths, recomputes included, attention's quadratic term too: "
+    "torch's count of every query against every key) at the 24 GiB length, over the same model's without recompute, "
+    "at 400 TFLOP/s, plus the checkpoints' trip to the host and back at 25 GB/s, not overlapped. Measured on "
     "this CPU (the profiler's allocation events): a GPU's context, kernels' workspace and fragmentation are not "
     "counted; leave room for them. Memory only: LLaMA-2's RoPE was trained to 4,096 positions. Unsloth's README, for "
     "comparison: Llama-3.1-8B QLoRA r=32 on 24 GB, 78,475 tokens (Hugging Face + FlashAttention-2: 5,789); 342,733 "

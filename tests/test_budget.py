@@ -293,3 +293,18 @@ def test_offload_frees_the_checkpointed_inputs_on_a_device_and_is_never_taken_on
     ours, theirs = llama_gradients(model, batch), llama_gradients(unbudgeted, batch)
     for name, grad in theirs.items():
         torch.testing.assert_close(ours[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_the_flop_counter_counts_the_cpus_attention_as_torch_counts_cudas():
+    from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
+
+    from lightning_lowmem.surgery.flops import flop_counter
+
+    shape = (2, 4, 32, 16)
+    q, k, v = (torch.randn(shape, requires_grad=True) for _ in range(3))
+    with flop_counter() as counter:
+        out = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert counter.get_total_flops() == sdpa_flop_count(shape, shape, shape) > 0
+    with flop_counter() as counter:
+        out.sum().backward()
+    assert counter.get_total_flops() == sdpa_backward_flop_count(shape, shape, shape, shape) > 0

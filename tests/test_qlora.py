@@ -259,3 +259,17 @@ def test_int8_qlora_converts_and_holds_less(tmp_path):
     only_qv = qlora_llama(tmp_path, bits=8, targets=["q_proj", "v_proj"])
     status = norm_status(converted(only_qv, x)[1])
     assert status["layers.0.post_attention_layernorm"] == "left alone"  # read by int8 layers only
+
+
+def test_the_budget_counts_the_flops_of_4bit_matmuls(tmp_path):
+    """bitsandbytes' CPU path is one fused op that torch's FLOP counter does not know: a QLoRA block's recompute
+    cost would be its adapters' and attention's alone."""
+    from lightning_lowmem.surgery.budget import measure_blocks
+
+    model, x = qlora_llama(tmp_path), tokens()
+    block = "base_model.model.model.layers.0"
+    base = sum(2 * x.numel() * layer.in_features * layer.out_features for layer in linears_4bit(model)[:7])
+    assert all(layer.weight.quant_state is not None for layer in linears_4bit(model))
+    with bf16():
+        (measured,), _, total = measure_blocks(model, x, [block])
+    assert base < measured.flops < 1.5 * base and total > LAYERS * base

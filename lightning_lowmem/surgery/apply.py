@@ -141,7 +141,7 @@ def max_batch_size(
     owner = "max_batch_size"
     budget_bytes = round(budget_mib * MIB)
     ladder = Options(rungs=ladder).rungs  # validated
-    with _converted(model, example_input, options, owner, lowmem=True) as parsed:
+    with while_converted(model, example_input, options, owner, lowmem=True) as parsed:
 
         def fits(size: int) -> bool:
             return _activation_bytes(model, with_batch_size(example_input, size), parsed, ladder)[0] <= budget_bytes
@@ -174,7 +174,7 @@ def _activation_bytes(model: nn.Module, example: Any, options: Options, ladder: 
 
 
 @contextmanager
-def _converted(
+def while_converted(
     model: nn.Module, example: Any, options: dict[str, Any], owner: str, lowmem: bool, ladder: Sequence[str] = ()
 ) -> Iterator[Options]:
     """``model`` converted quietly (no check, no measurement) for the duration, unless not ``lowmem``, and every
@@ -221,7 +221,7 @@ def training_memory(
         {options}
     """
     length = sequence_length(example_input, "training_memory")
-    with _converted(model, example_input, options, "training_memory", lowmem, ladder):
+    with while_converted(model, example_input, options, "training_memory", lowmem, ladder):
         return fit_lengths(model, example_input, (length, 2 * length + 1), optimizer)
 
 
@@ -262,7 +262,7 @@ def max_sequence_length(
         raise ValueError(f"{owner}: budget_gib must be a positive number of GiB, got {budget_gib!r}")
     budget_bytes = budget_gib * GIB
     length = sequence_length(example_input, owner)
-    with _converted(model, example_input, options, owner, lowmem, ladder):
+    with while_converted(model, example_input, options, owner, lowmem, ladder):
         memory = fit_lengths(model, example_input, (length, 2 * length + 1), optimizer)
         size = memory.max_length(budget_bytes)
         state = memory.weights + memory.gradients + memory.optimizer

@@ -34,13 +34,13 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_lowmem.memory import MIB
 from lightning_lowmem.nn.gated import GatedMLPBase
 from lightning_lowmem.nn.recompute import HOST, checkpointed_forward, offloaded_forward, tiled_forward
 from lightning_lowmem.surgery.convert import Surgery
 from lightning_lowmem.surgery.example import call, isolated, tensors_in
+from lightning_lowmem.surgery.flops import flop_counter
 from lightning_lowmem.surgery.measure import measure_saved
 
 RUNGS = ("tile", "checkpoint", "offload")
@@ -199,7 +199,7 @@ def measure_blocks(model: nn.Module, example: Any, names: list[str]) -> tuple[li
     ]
     try:
         meter = measure_saved(model, example)
-        with isolated(model, train=True), FlopCounterMode(display=False) as counter:
+        with isolated(model, train=True), flop_counter() as counter:
             call(model, example)
     finally:
         for handle in handles:

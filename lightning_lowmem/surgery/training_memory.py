@@ -242,11 +242,11 @@ def fit_lengths(
     points = (first, second, 4 * second) if quadratic else (first, second)
     beyond = [step_peak(model, with_length(example, length)) - saved(length) - copies for length in points]
     return replace(
-        memory, **dict(zip(("transient", "transient_linear", "transient_quadratic"), _polynomial(points, beyond)))
+        memory, **dict(zip(("transient", "transient_linear", "transient_quadratic"), polynomial(points, beyond)))
     )
 
 
-def _polynomial(xs: Sequence[int], ys: Sequence[float]) -> tuple[float, ...]:
+def polynomial(xs: Sequence[int], ys: Sequence[float]) -> tuple[float, ...]:
     """The coefficients (constant first) of the polynomial of degree ``len(xs) - 1`` through the points."""
     solution = torch.linalg.solve(
         torch.tensor([[float(x) ** k for k in range(len(xs))] for x in xs], dtype=torch.float64),
