@@ -114,7 +114,15 @@ BLOCKS = {"vit": ["*blocks.[0-9]"], "bert": ["*encoder.layer.[0-9]"]}
 DECODER_BLOCKS = ["*layers.[0-9]"]
 
 # The paper's variant: its two ops alone (approximate activation + memory-sharing norm); stock everything else
-PAPER = {"activation": True, "norm": True, "gated": False, "linear": False, "dropout": False, "head": False}
+PAPER = {
+    "activation": True,
+    "norm": True,
+    "gated": False,
+    "linear": False,
+    "dropout": False,
+    "head": False,
+    "attention": False,
+}
 VARIANTS = {"paper": PAPER, "ours": {}}
 
 
@@ -506,13 +514,14 @@ def main() -> None:
         f"and bf16 autocast, batch 1 x {args.tokens} tokens (ViT: 2 images at 224 px), autocast's weight copies "
         "apart (they do not grow with the tokens). Full depth from 1- and 2-layer models: `rest + depth x "
         "(2-layer - 1-layer)`. Causal LMs are called with `labels` (the loss inside the forward). Paper's two ops: "
-        "`apply_lowmem(activation=True, norm=True, gated=False, linear=False, dropout=False, head=False)`; every "
+        "`apply_lowmem(activation=True, norm=True, gated=False, linear=False, dropout=False, head=False, attention=False)`; every "
         "block checkpointed: the converted model with each decoder block under activation checkpointing (what the "
         "smallest `budget_mib` gives), its forward plus one block recomputed in backward. Gemma 2's attention is "
         "eager (its soft-capping has no SDPA kernel), so its per-token bytes grow with the length; BERT keeps its "
         "0.1 dropouts. LoRA adapters fp32 (peft's default on a bf16 base); QLoRA: transformers' "
-        "`BitsAndBytesConfig` nf4 with double quantization and bf16 compute, `prepare_model_for_kbit_training`.\n\n"
-        + table
+        "`BitsAndBytesConfig` nf4 with double quantization and bf16 compute, `prepare_model_for_kbit_training`. "
+        "Stock dropout masks are counted as a GPU keeps them (a bool mask: CPU's `F.dropout` keeps one in the "
+        "input's dtype, 4 B for an fp32 adapter's input).\n\n" + table
     )
     write_section("real_scale", body, "python benchmarks/real_scale.py")
     headline = (
@@ -520,7 +529,8 @@ def main() -> None:
         f"at the real dims and depth of each model, bf16 weights and autocast, {args.tokens} tokens, labels "
         "passed: stock, the paper's two ops alone, lightning-lowmem's defaults, and with every block checkpointed "
         "(the floor of `budget_mib`). From 1- and 2-layer models at the real dims (`benchmarks/real_scale.py`; "
-        "activation memory is linear in depth, checked against 3 layers).\n\n" + table
+        "activation memory is linear in depth, checked against 3 layers). Stock dropout masks counted as a GPU keeps "
+        "them (1 B per element).\n\n" + table
     )
     write_section("real_scale", headline, "python benchmarks/real_scale.py", README)
 

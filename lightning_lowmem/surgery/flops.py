@@ -24,12 +24,14 @@ def flop_counter() -> FlopCounterMode:
     }
     for op, as_on_cuda in cpu_attention.items():  # the same leading arguments: query, key, value (grad_out first)
         flop_registry.setdefault(op, flop_registry[as_on_cuda])
-    if "bitsandbytes" in sys.modules and hasattr(torch.ops.bitsandbytes, "gemm_4bit"):  # loaded by the model's code
-        if torch.ops.bitsandbytes.gemm_4bit not in flop_registry:
-            register_flop_formula(torch.ops.bitsandbytes.gemm_4bit)(_gemm_4bit_flops)
+    loaded = "bitsandbytes" in sys.modules and hasattr(torch.ops.bitsandbytes, "gemm_4bit")  # by the model's code
+    if loaded and torch.ops.bitsandbytes.gemm_4bit not in flop_registry:
+        register_flop_formula(torch.ops.bitsandbytes.gemm_4bit)(_gemm_4bit_flops)
     return FlopCounterMode(display=False)
 
 
-def _gemm_4bit_flops(a_shape: list[int], b_shape: list[int], shape_b: list[int], *args: object, **kwargs: object) -> int:
+def _gemm_4bit_flops(
+    a_shape: list[int], b_shape: list[int], shape_b: list[int], *args: object, **kwargs: object
+) -> int:
     """A (..., in) times the (out, in) weight: 2 FLOPs a multiply-add."""
     return 2 * math.prod(a_shape) * shape_b[0]
