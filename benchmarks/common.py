@@ -80,12 +80,14 @@ def record_worker_run(spread: float, steady: bool) -> None:
 
 
 def interleaved_times(
-    fns: dict[str, Callable[[], object]], repeats: int = 20, warmup: int = 3
+    fns: dict[str, Callable[[], object]], repeats: int = 20, warmup: int = 3, cuda_events: bool = False
 ) -> dict[str, list[float]]:
     """Wall times (seconds) of each function, one per round, run round-robin with the order reversed every
     other round and rotated by one every two, so that drift hits all alike and each function takes every
     position in turn, after different ones (what ran before leaves the caches and the allocator in its own
-    state). Cycling through all permutations did not: past a few functions their first ones never change."""
+    state). Cycling through all permutations did not: past a few functions their first ones never change.
+    ``cuda_events``: timed on the current CUDA stream from an idle device (its gaps waiting for the host
+    included), for functions whose work is the GPU's."""
     global _timed, _steady_heap
     _timed = True
     if _steady_heap is None:
@@ -99,14 +101,28 @@ def interleaved_times(
         shift = (round_ // 2) % len(names)
         order = names[shift:] + names[:shift]
         for name in order if round_ % 2 == 0 else order[::-1]:
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            fns[name]()
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
-            samples[name].append(time.perf_counter() - start)
+            samples[name].append(_cuda_event_time(fns[name]) if cuda_events else _wall_time(fns[name]))
     return samples
+
+
+def _wall_time(fn: Callable[[], object]) -> float:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def _cuda_event_time(fn: Callable[[], object]) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3
 
 
 def interleaved_median(fns: dict[str, Callable[[], object]], repeats: int = 20, warmup: int = 3) -> dict[str, float]:

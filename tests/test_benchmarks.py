@@ -243,3 +243,32 @@ def test_the_gpu_benchmark_forces_a_backend_for_the_ops_of_a_device_and_gives_it
     monkeypatch.setattr(kernels, "_triton_unusable", lambda device: "no Triton here")
     assert gpu.usable_backends(cpu) == ["cpp"]  # triton refused with its reason, the choice given back
     assert kernels.implementation(cpu) is library.OPS
+
+
+def test_the_gpu_command_rehearses_on_the_cpu_writing_each_stage_as_it_goes(tmp_path, capsys, monkeypatch):
+    """``python -m benchmarks.gpu --smoke``: every stage but the slow ones (tests only collected, ops timed) runs on
+    tiny shapes and leaves its file; a stage that fails is written down and the next one runs."""
+    from benchmarks import gpu
+
+    results = BENCHMARKS / "RESULTS.md"
+    before = results.read_text()
+    stages = ["environment", "kernels", "models", "compile", "long_context"]
+    gpu.main(["--smoke", "--out", str(tmp_path), "--stages", *stages])
+    written = {path.name: path.read_text() for path in tmp_path.glob("*.md")}
+    assert set(written) == {f"{gpu.STAGES.index(stage):02d}-{stage}.md" for stage in stages}
+    assert all("done in" in text for text in written.values()), capsys.readouterr().out
+    kernels = written["02-kernels.md"]
+    assert "| cpp | norm_backward | float32 |" in kernels and "| triton | cross_entropy_grad_ | bfloat16 |" in kernels
+    assert "| converted, compiled / eager |" in written["04-compile.md"]
+    assert "predicted **" in written["05-long_context.md"] and results.read_text() == before
+    logged = [line.split(" ", 1)[1] for line in (tmp_path / "progress.log").read_text().splitlines()]
+    assert logged[0] == "environment: started" and logged[1].startswith("environment: done in")
+
+    def broken(run, emit):
+        raise RuntimeError("broken on purpose")
+
+    monkeypatch.setitem(gpu.RUNNERS, "environment", broken)
+    gpu.main(["--smoke", "--out", str(tmp_path / "again"), "--stages", "environment", "kernels"])
+    assert "FAILED" in (tmp_path / "again" / "00-environment.md").read_text()
+    assert "broken on purpose" in (tmp_path / "again" / "00-environment.md").read_text()
+    assert "done in" in (tmp_path / "again" / "02-kernels.md").read_text()

@@ -32,7 +32,7 @@ WORKERS = 2
 
 def _recorded_launches() -> list[tuple[Any, tuple, dict]]:
     """(kernel, args, kwargs) of every launch the launchers make for inputs spanning their choices."""
-    from lightning_lowmem.kernels import torch_ops, triton_ops
+    from lightning_lowmem.kernels import triton_ops
 
     records: list[tuple[Any, tuple, dict]] = []
 
@@ -49,7 +49,7 @@ def _recorded_launches() -> list[tuple[Any, tuple, dict]]:
         setattr(triton_ops, name, Recorder(kernel))
     triton_ops.INTERPRETED = True  # the wrappers take CPU tensors: the recorders run nothing
     try:
-        _launch_every_choice(triton_ops, torch_ops)
+        launch_every_choice(triton_ops)
     finally:
         for name, kernel in kernels.items():
             setattr(triton_ops, name, kernel)
@@ -57,34 +57,43 @@ def _recorded_launches() -> list[tuple[Any, tuple, dict]]:
     return records
 
 
-def _launch_every_choice(triton_ops, torch_ops) -> None:
-    """Call every launcher with inputs spanning each choice it makes."""
+def launch_every_choice(ops: Any, device: torch.device | str = "cpu") -> None:
+    """Call every launcher of the contract on ``ops`` (:mod:`.triton_ops`, or any backend's functions) with inputs
+    on ``device`` spanning each choice the Triton launchers make: every dtype, bits, kind and flag, every row block
+    and warp count of :func:`~.triton_ops.norm_settings` and :func:`~.triton_ops.cross_entropy_settings`."""
+    from lightning_lowmem.kernels import torch_ops, triton_ops
+
+    def tensor(*shape: int, dtype: torch.dtype = torch.float32, like: float | None = None) -> torch.Tensor:
+        made = torch.randn(shape) if like is None else torch.full(shape, like)
+        return made.to(device=device, dtype=dtype)
+
     largest = max(triton_ops.MAX_NORM_BLOCK, triton_ops.MAX_CE_BLOCK)
     lengths = [1 << k for k in range(largest.bit_length())]  # row lengths reaching every block choice
+    seed = torch.tensor([1], device=device)
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
-        x = torch.randn(2, 64).to(dtype)
+        x = tensor(2, 64, dtype=dtype)
         for bits in (1, 2, 4):
             thresholds = tuple(range((1 << bits) - 1))
-            triton_ops.act_codes(x, thresholds)
-            triton_ops.act_backward(x, torch_ops.act_codes(x, thresholds), (0.0,) * (len(thresholds) + 1))
+            ops.act_codes(x, thresholds)
+            ops.act_backward(x, torch_ops.act_codes(x, thresholds), (0.0,) * (len(thresholds) + 1))
         for kind in torch_ops.KINDS:
             for act in (None, x):
-                triton_ops.gated_backward(x, x, x, kind, act)
+                ops.gated_backward(x, x, x, kind, act)
         for p in (0.1, 0.5):  # the threshold an int32, then an int64
-            triton_ops.dropout(x, p, torch.tensor([1]))
+            ops.dropout(x, p, seed)
         for dim in sorted({triton_ops.norm_settings(n)[0] for n in lengths}):
-            rows, rstd = torch.randn(2, dim).to(dtype), torch.ones(2)
+            rows, rstd = tensor(2, dim, dtype=dtype), tensor(2, like=1.0)
             for center in (True, False):
                 for out in {dtype, torch.bfloat16} if dtype == torch.float32 else {dtype}:
-                    triton_ops.norm_forward(rows, dim, 1e-5, center, out)
-                for scale in (None, torch.ones(dim)):
-                    triton_ops.norm_backward(rows, rows, rstd, scale, dim, center, torch.float32, False)
+                    ops.norm_forward(rows, dim, 1e-5, center, out)
+                for scale in (None, tensor(dim, like=1.0)):
+                    ops.norm_backward(rows, rows, rstd, scale, dim, center, torch.float32, False)
     for dtype in torch_ops.CROSS_ENTROPY_DTYPES:
         for vocab in sorted({triton_ops.cross_entropy_settings(n, dtype)[0] for n in lengths}):
             for cap in (0.0, 30.0):
-                for scale in (None, torch.ones(2)):
-                    logits = torch.randn(2, vocab).to(dtype)
-                    triton_ops.cross_entropy_grad_(logits, torch.tensor([1, -100]), -100, 0.1, cap, scale)
+                for scale in (None, tensor(2, like=1.0)):
+                    labels = torch.tensor([1, -100], device=device)
+                    ops.cross_entropy_grad_(tensor(2, vocab, dtype=dtype), labels, -100, 0.1, cap, scale)
 
 
 def configurations() -> list[dict[str, Any]]:

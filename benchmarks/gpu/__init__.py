@@ -1,0 +1,207 @@
+"""One command for the day a GPU is lent: everything on the GPU, each result written the moment it exists.
+
+    pip install --no-deps -e . && python -m benchmarks.gpu --short --out "$OUT"   # the 8-minute run
+    python -m benchmarks.gpu --out DIR                                             # every stage, full sizes
+    python -m benchmarks.gpu --publish DIR     # the folder's results -> benchmarks/RESULTS.md "gpu"
+    python -m benchmarks.gpu --smoke --out DIR # tiny shapes on the CPU (Triton interpreted): rehearses the script
+
+Stages, in order (``--stages`` picks some; each runs whatever the one before did, a failure is written and the run
+goes on): ``environment`` (device, driver, torch, Triton, CUDA), ``tests`` (``pytest -m gpu``), ``kernels`` (every
+ahead-of-time Triton configuration and the CUDA C++ extension against the reference, :mod:`.kernel_check`),
+``models`` and ``compile`` (:mod:`.models`), ``long_context`` (:mod:`.long_context`), ``ops`` (op timings against
+Liger Kernel, :mod:`.ops`; not in ``--short``). Each stage writes ``NN-<stage>.md`` into the output folder as it
+goes (a killed run keeps what it had) and ``progress.log`` says where it is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.common import write_section
+from benchmarks.gpu.ops import forced_backend, usable_backends
+
+__all__ = ["forced_backend", "main", "usable_backends"]
+
+STAGES = ("environment", "tests", "kernels", "models", "compile", "long_context", "ops")
+SHORT = STAGES[:-1]
+
+
+@dataclass
+class Run:
+    """Where results go, and the run's sizes."""
+
+    out: Path
+    device: torch.device
+    smoke: bool
+    short: bool
+    rounds: int
+    test_seconds: int
+    budget_gib: float
+
+    def log(self, line: str) -> None:
+        stamped = f"{time.strftime('%H:%M:%S')} {line}"
+        print(stamped, flush=True)
+        with (self.out / "progress.log").open("a") as file:
+            file.write(stamped + "\n")
+
+    def emitter(self, index: int, stage: str) -> Callable[[str], None]:
+        path = self.out / f"{index:02d}-{stage}.md"
+        return lambda text: path.write_text(text + "\n")
+
+
+def environment(run: Run, emit: Callable[[str], None]) -> str:
+    """Device, driver and versions; also written as environment.json."""
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError as err:
+        triton_version = f"not importable: {err}"
+    info = {
+        "device": torch.cuda.get_device_name(run.device) if run.device.type == "cuda" else platform.processor(),
+        "capability": ".".join(map(str, torch.cuda.get_device_capability(run.device)))
+        if run.device.type == "cuda" else None,
+        "driver": _command(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]),
+        "torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton_version,
+        "python": platform.python_version(), "lightning_lowmem": str(ROOT),
+        "nvcc": _command(["nvcc", "--version"]).splitlines()[-1] if _command(["nvcc", "--version"]) else "",
+    }  # fmt: skip
+    (run.out / "environment.json").write_text(json.dumps(info, indent=1))
+    return "\n".join(f"- {key}: {value}" for key, value in info.items())
+
+
+def _command(command: list[str]) -> str:
+    try:
+        return subprocess.run(command, capture_output=True, text=True, timeout=30, check=False).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def tests(run: Run, emit: Callable[[str], None]) -> str:
+    """``pytest -m gpu``, its output in the stage's file as it comes; at most ``run.test_seconds``."""
+    command = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "tests"]
+    if run.smoke:  # which tests would run, without running them
+        command.append("--collect-only")
+    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    deadline = time.monotonic() + run.test_seconds
+    for line in process.stdout:
+        lines.append(line.rstrip())
+        emit("```\n" + "\n".join(lines[-200:]) + "\n```")
+        if time.monotonic() > deadline:
+            process.kill()
+            lines.append(f"(stopped after {run.test_seconds} s)")
+            break
+    process.wait()
+    return "```\n" + "\n".join(lines[-200:]) + "\n```"
+
+
+def kernels(run: Run, emit: Callable[[str], None]) -> str:
+    from benchmarks.gpu.kernel_check import check_kernels
+
+    summary, records = check_kernels(run.device)
+    (run.out / "kernels.json").write_text(json.dumps(records, indent=1))
+    return summary
+
+
+def models(run: Run, emit: Callable[[str], None]) -> str:
+    from benchmarks.gpu.models import SETTINGS, measure_models
+    from benchmarks.gpu.models import SHORT as SHORT_SETTINGS
+
+    return measure_models(run.device, SHORT_SETTINGS if run.short else SETTINGS, run.rounds, run.smoke)
+
+
+def compiled(run: Run, emit: Callable[[str], None]) -> str:
+    from benchmarks.gpu.models import measure_compile
+
+    return measure_compile(run.device, run.rounds, run.smoke)
+
+
+def long_context(run: Run, emit: Callable[[str], None]) -> str:
+    from benchmarks.gpu.long_context import search
+
+    return search(run.device, run.budget_gib, run.smoke, emit)
+
+
+def ops(run: Run, emit: Callable[[str], None]) -> str:
+    from benchmarks.gpu.ops import time_ops
+
+    return time_ops(run.device, shrink=64 if run.smoke else 1, repeats=2 * run.rounds)
+
+
+RUNNERS = {
+    "environment": environment, "tests": tests, "kernels": kernels, "models": models, "compile": compiled,
+    "long_context": long_context, "ops": ops,
+}  # fmt: skip
+TITLES = {
+    "environment": "Environment", "tests": "GPU-marked tests", "kernels": "Kernels against the reference",
+    "models": "Training steps at real dims, stock vs converted", "compile": "`torch.compile` on the GPU",
+    "long_context": "The longest sequence, predicted and found", "ops": "Ops, forward + backward",
+}  # fmt: skip
+
+
+def run_stages(run: Run, stages: list[str]) -> None:
+    for stage in stages:
+        index = STAGES.index(stage)
+        emit = run.emitter(index, stage)
+        run.log(f"{stage}: started")
+        started = time.perf_counter()
+        try:
+            text = RUNNERS[stage](run, emit)
+            status = "done"
+        except Exception:  # noqa: BLE001 - written down: the next stage still runs
+            text = "```\n" + traceback.format_exc() + "```"
+            status = "FAILED"
+        seconds = time.perf_counter() - started
+        emit(f"## {TITLES[stage]}\n\n{status} in {seconds:.0f} s\n\n{text}")
+        run.log(f"{stage}: {status} in {seconds:.0f} s")
+
+
+def publish(folder: Path) -> str:
+    """The folder's stage files as RESULTS.md's "gpu" section (returned too)."""
+    parts = [path.read_text().replace("\n## ", "\n### ").replace("## ", "### ", 1)
+             for path in sorted(folder.glob("[0-9][0-9]-*.md"))]  # fmt: skip
+    body = "## GPU: everything on the device\n\n" + "\n".join(parts)
+    write_section("gpu", body, "python -m benchmarks.gpu --short")
+    return body
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu", description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ROOT / "benchmarks" / "gpu-out")))
+    parser.add_argument("--short", action="store_true", help="the 8-minute run: smaller batches, no op timings")
+    parser.add_argument("--stages", nargs="+", choices=STAGES, help="these stages only, in the usual order")
+    parser.add_argument("--rounds", type=int, default=20, help="timed rounds per comparison")
+    parser.add_argument("--test-seconds", type=int, default=150, help="the GPU tests' time limit")
+    parser.add_argument("--budget-gib", type=float, default=None, help="long_context's budget (default 24, short 12)")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: rehearses the script")
+    parser.add_argument("--publish", type=Path, help="write this output folder's results to RESULTS.md, then exit")
+    args = parser.parse_args(argv)
+    if args.publish:
+        print(publish(args.publish))
+        return
+    if not args.smoke and not torch.cuda.is_available():
+        parser.error("needs a CUDA GPU (or --smoke)")
+    args.out.mkdir(parents=True, exist_ok=True)
+    budget = args.budget_gib or (0.003 if args.smoke else 12.0 if args.short else 24.0)
+    run = Run(
+        args.out, torch.device("cpu" if args.smoke else "cuda"), args.smoke, args.short or args.smoke,
+        2 if args.smoke else args.rounds, args.test_seconds, budget,
+    )  # fmt: skip
+    chosen = [s for s in (SHORT if run.short else STAGES) if not args.stages or s in args.stages]
+    run_stages(run, chosen)

@@ -1,0 +1,3 @@
+from benchmarks.gpu import main
+
+main()
