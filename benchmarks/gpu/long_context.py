@@ -10,6 +10,7 @@ out-of-memory error. The search halves the interval between a length that trains
 
 from __future__ import annotations
 
+import gc
 import tempfile
 import time
 from collections.abc import Callable
@@ -78,6 +79,7 @@ def search(device: torch.device, budget_gib: float, smoke: bool, emit: Callable[
         if ok:  # the optimizer's state exists from the first step on: time the second
             ok, seconds, peak = trains(step, device)
         model.zero_grad(set_to_none=True)
+        gc.collect()  # a failed step's graph
         if device.type == "cuda":
             torch.cuda.empty_cache()
         rows.append([f"{length:,}", "trains" if ok else "out of memory", f"{seconds:.1f} s", f"{peak:.2f}"])

@@ -121,38 +121,49 @@ def measure_models(device: torch.device, settings: dict[str, Setting], rounds: i
     """Each model stock and converted (markdown); rows printed as they come."""
     rows = []
     for name, setting in settings.items():
-        started = time.perf_counter()
-        config = CONFIGS[setting.config]
-        if smoke:  # one ViT-B/16 block on 2 images; the tiny LLaMA for the rest
-            config = config if config.family == "vit" else SMOKE["tiny LLaMA"]
-            setting = Setting(setting.config, 1, 2 if config.family == "vit" else 64)
-        x = batch_for(config, setting, device)
-        stock = build_on(config, setting.layers, device)
-        converted = copy.deepcopy(stock)
-        with torch.autocast(device.type, dtype=torch.bfloat16):
-            apply_lowmem(converted, example_input=x, verify=True, measure=False)
-        steps = {"stock": training_step(stock, x), "converted": training_step(converted, x)}
-        for step in steps.values():
-            step()  # the optimizer's state, kernels' compilation and autotuning
-        peaks = {variant: step_peak(step, device) for variant, step in steps.items()}
-        saved_bytes = {"stock": saved(stock, x), "converted": saved(converted, x)}
-        times = interleaved_times(steps, repeats=rounds, warmup=1, cuda_events=device.type == "cuda")
-        ratio, low, high = paired_ratio(times["converted"], times["stock"])
-        predicted = saved_bytes["stock"] - saved_bytes["converted"]
-        rows.append([
-            name, _mib(peaks["stock"]), _mib(peaks["converted"]), _mib(peaks["stock"] - peaks["converted"]),
-            _mib(saved_bytes["stock"]), _mib(saved_bytes["converted"]), _mib(predicted),
-            f"{1e3 * statistics.median(times['stock']):.1f} ms", f"{ratio:.3f} ({low:.3f}-{high:.3f})",
-        ])  # fmt: skip
-        print(" | ".join(map(str, rows[-1])), f"({time.perf_counter() - started:.0f} s)", flush=True)
-        del stock, converted, steps
-        _release(device)
+        try:
+            rows.append(measure_model(name, setting, device, rounds, smoke))
+        except Exception as err:  # noqa: BLE001 - written in its row: the next model still runs
+            rows.append([name, f"failed: {type(err).__name__}: {str(err).splitlines()[0][:200]}", *[""] * 8])
+            _release(device)
+        print(" | ".join(map(str, rows[-1])), flush=True)
     header = [
         "model (bf16, LoRA r=16 all linears, dropout 0.05)", "stock peak MiB", "converted peak MiB",
         "peak saved MiB", "stock saved-for-backward MiB", "converted saved-for-backward MiB",
         "saved-bytes saving MiB (the prediction)", "stock step (median)", f"converted / stock step ({rounds} rounds)",
+        "measured in",
     ]  # fmt: skip
     return markdown_table(header, rows)
+
+
+def measure_model(name: str, setting: Setting, device: torch.device, rounds: int, smoke: bool) -> list[str]:
+    """One model's row: peaks, saved bytes, step times."""
+    started = time.perf_counter()
+    config = CONFIGS[setting.config]
+    if smoke:  # one ViT-B/16 block on 2 images; the tiny LLaMA for the rest
+        config = config if config.family == "vit" else SMOKE["tiny LLaMA"]
+        setting = Setting(setting.config, 1, 2 if config.family == "vit" else 64)
+    x = batch_for(config, setting, device)
+    stock = build_on(config, setting.layers, device)
+    converted = copy.deepcopy(stock)
+    with torch.autocast(device.type, dtype=torch.bfloat16):
+        apply_lowmem(converted, example_input=x, verify=True, measure=False)
+    steps = {"stock": training_step(stock, x), "converted": training_step(converted, x)}
+    for step in steps.values():
+        step()  # the optimizer's state, kernels' compilation and autotuning
+    peaks = {variant: step_peak(step, device) for variant, step in steps.items()}
+    saved_bytes = {"stock": saved(stock, x), "converted": saved(converted, x)}
+    times = interleaved_times(steps, repeats=rounds, warmup=1, cuda_events=device.type == "cuda")
+    ratio, low, high = paired_ratio(times["converted"], times["stock"])
+    del stock, converted, steps
+    _release(device)
+    return [
+        name, _mib(peaks["stock"]), _mib(peaks["converted"]), _mib(peaks["stock"] - peaks["converted"]),
+        _mib(saved_bytes["stock"]), _mib(saved_bytes["converted"]),
+        _mib(saved_bytes["stock"] - saved_bytes["converted"]),
+        f"{1e3 * statistics.median(times['stock']):.1f} ms", f"{ratio:.3f} ({low:.3f}-{high:.3f})",
+        f"{time.perf_counter() - started:.0f} s",
+    ]  # fmt: skip
 
 
 def measure_compile(device: torch.device, rounds: int, smoke: bool) -> str:
