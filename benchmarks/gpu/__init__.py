@@ -16,6 +16,7 @@ goes (a killed run keeps what it had) and ``progress.log`` says where it is.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import os
 import platform
@@ -32,11 +33,12 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import write_section
+from benchmarks.common import cpu_model, write_section
 from benchmarks.gpu.ops import forced_backend, usable_backends
 
 __all__ = ["forced_backend", "main", "usable_backends"]
 
+PACKAGES = ("lightning", "transformers", "peft", "timm", "bitsandbytes", "liger-kernel", "ninja")  # what stages need
 STAGES = ("environment", "tests", "kernels", "models", "compile", "long_context", "ops")
 SHORT = STAGES[:-1]
 
@@ -73,16 +75,24 @@ def environment(run: Run, emit: Callable[[str], None]) -> str:
     except ImportError as err:
         triton_version = f"not importable: {err}"
     info = {
-        "device": torch.cuda.get_device_name(run.device) if run.device.type == "cuda" else platform.processor(),
+        "device": torch.cuda.get_device_name(run.device) if run.device.type == "cuda" else cpu_model(),
         "capability": ".".join(map(str, torch.cuda.get_device_capability(run.device)))
         if run.device.type == "cuda" else None,
         "driver": _command(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]),
         "torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton_version,
         "python": platform.python_version(), "lightning_lowmem": str(ROOT),
         "nvcc": _command(["nvcc", "--version"]).splitlines()[-1] if _command(["nvcc", "--version"]) else "",
+        **{name: _version(name) for name in PACKAGES},
     }  # fmt: skip
     (run.out / "environment.json").write_text(json.dumps(info, indent=1))
     return "\n".join(f"- {key}: {value}" for key, value in info.items())
+
+
+def _version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
 
 
 def _command(command: list[str]) -> str:
