@@ -227,8 +227,8 @@ def test_paired_ratio_is_the_median_of_the_per_round_ratios_within_its_interval(
 
 
 def test_the_gpu_benchmark_forces_a_backend_for_the_ops_of_a_device_and_gives_it_back(monkeypatch):
-    """benchmarks.gpu (its ops stage) times each backend in one process: the ops follow the forced variable inside the block
-    and the default after it, also when the forced backend cannot run (shown on the CPU: no GPU needed)."""
+    """benchmarks.gpu's ops stage times each backend in one process: the ops follow the forced variable inside the
+    block and the default after it, also when the forced backend cannot run (shown on the CPU: no GPU needed)."""
     import torch
 
     from benchmarks import gpu
