@@ -115,7 +115,8 @@ def main() -> None:
         "(`litgpt.lora.GPT` / `litgpt.GPT`) and from Hugging Face (+ peft), hidden 256, 2 layers, vocabulary 1024, "
         "2 x 64 tokens, bf16 weights under bf16 autocast, LoRA r=8 on every linear layer and the head. LitGPT's "
         "stock attention keeps its whole `qkv` output alive (SDPA saves `v`, a view of it) and a copy of its output "
-        "for `proj`; its fused `qkv` keeps one dropped copy where peft keeps three.\n\n"
+        "for `proj`; its fused `qkv` keeps one dropped copy where peft keeps three. Stock dropout masks counted as a "
+        "GPU keeps them (1 B per element).\n\n"
         f"{table}\n\nTime: {what}, timed in alternation with stock's ({args.repeats} rounds): {ratio}."
     )
     write_section("litgpt", body, f"python benchmarks/litgpt_vs_hf.py --repeats {args.repeats}")
