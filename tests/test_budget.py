@@ -295,15 +295,19 @@ def test_offload_frees_the_checkpointed_inputs_on_a_device_and_is_never_taken_on
         torch.testing.assert_close(ours[name], grad, rtol=1e-5, atol=1e-7, msg=name)
 
 
-def test_the_flop_counter_counts_the_cpus_attention_as_torch_counts_cudas():
+@pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
+def test_the_flop_counter_counts_the_cpus_attention_as_torch_counts_cudas(kv_heads):
+    """CPU flash attention counted as torch counts CUDA's, grouped-query attention as each query head against its
+    group's key and value head (torch before 2.14 refuses it)."""
     from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
 
     from lightning_lowmem.surgery.flops import flop_counter
 
-    shape = (2, 4, 32, 16)
-    q, k, v = (torch.randn(shape, requires_grad=True) for _ in range(3))
+    shape, kv_shape = (2, 4, 32, 16), (2, kv_heads, 32, 16)
+    q = torch.randn(shape, requires_grad=True)
+    k, v = (torch.randn(kv_shape, requires_grad=True) for _ in range(2))
     with flop_counter() as counter:
-        out = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=kv_heads < 4)
     assert counter.get_total_flops() == sdpa_flop_count(shape, shape, shape) > 0
     with flop_counter() as counter:
         out.sum().backward()

@@ -10,6 +10,7 @@ labels and ``return_dict=False`` run the stock forward unchanged.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import torch
@@ -74,7 +75,7 @@ class FusedLossForward:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         model = self.model
-        stock = type(model).forward.__get__(model, type(model))
+        stock = partial(type(model).forward, model)  # not __get__: dynamo before torch 2.14 cannot trace it
         labels = kwargs.get("labels")
         if labels is None or kwargs.get("return_dict") is False or not (model.training and torch.is_grad_enabled()):
             return stock(*args, **kwargs)
