@@ -198,7 +198,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--stages", nargs="+", choices=STAGES, help="these stages only, in the usual order")
     parser.add_argument("--rounds", type=int, default=20, help="timed rounds per comparison")
     parser.add_argument("--test-seconds", type=int, default=150, help="the GPU tests' time limit")
-    parser.add_argument("--budget-gib", type=float, default=None, help="long_context's budget (default 24, short 12)")
+    parser.add_argument(
+        "--budget-gib",
+        type=float,
+        default=None,
+        help="long_context's budget in GiB (default 24; --short 6, so that each step of the search takes seconds)",
+    )
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: rehearses the script")
     parser.add_argument("--publish", type=Path, help="write this output folder's results to RESULTS.md, then exit")
     args = parser.parse_args(argv)
@@ -208,7 +213,7 @@ def main(argv: list[str] | None = None) -> None:
     if not args.smoke and not torch.cuda.is_available():
         parser.error("needs a CUDA GPU (or --smoke)")
     args.out.mkdir(parents=True, exist_ok=True)
-    budget = args.budget_gib or (0.003 if args.smoke else 12.0 if args.short else 24.0)
+    budget = args.budget_gib or (0.003 if args.smoke else 6.0 if args.short else 24.0)
     run = Run(
         args.out, torch.device("cpu" if args.smoke else "cuda"), args.smoke, args.short or args.smoke,
         2 if args.smoke else args.rounds, args.test_seconds, budget,
