@@ -11,8 +11,8 @@ host memory (``layers x hidden x 2 B`` per token, reported): the device's activa
 (the block being recomputed, its input brought back) and do not grow with the depth. Memory is measured on this
 CPU (the step's allocation peak from the profiler's events): a GPU's context, kernels' workspace and the
 allocator's fragmentation are not counted; leave room for them. Predicted step time: each plan's training step's
-FLOPs (counted at the two lengths, recomputes included, as a GPU runs them: ``linear T + quadratic T^2``, the
-quadratic part attention's) at the 24 GiB length, over its model's without recompute, at 400 TFLOP/s, plus the
+FLOPs (counted at 128, 256 and 512 tokens, recomputes included, as a GPU runs them: ``constant + linear T +
+quadratic T^2``, the quadratic part attention's) at the 24 GiB length, over its model's without recompute, at 400 TFLOP/s, plus the
 checkpoints' trip to the host and back at 25 GB/s, not overlapped.
 
     python benchmarks/long_context.py            # writes RESULTS.md "long context" and the README table
@@ -292,7 +292,8 @@ EXPLANATION = (
     "every term extrapolated to full depth, then the longest length that fits. The ladder: every MLP tiled (tiles of "
     "the hidden size), every block checkpointed, its input in host memory (pinned; its size per token is the last "
     "column): the device's activations are then one block's recompute and do not grow with the depth. Predicted step "
-    "time: the training step's FLOPs (counted at both lengths, recomputes included, attention's quadratic term too: "
+    "time: the training step's FLOPs (counted at 128, 256 and 512 tokens, recomputes included, attention's quadratic "
+    "term too: "
     "torch's count of every query against every key) at the 24 GiB length, over the same model's without recompute, "
     "at 400 TFLOP/s, plus the checkpoints' trip to the host and back at 25 GB/s, not overlapped. Measured on "
     "this CPU (the profiler's allocation events): a GPU's context, kernels' workspace and fragmentation are not "

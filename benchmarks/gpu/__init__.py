@@ -20,8 +20,10 @@ import importlib.metadata
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -81,7 +83,7 @@ def environment(run: Run, emit: Callable[[str], None]) -> str:
         "driver": _command(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]),
         "torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton_version,
         "python": platform.python_version(), "lightning_lowmem": str(ROOT),
-        "nvcc": _command(["nvcc", "--version"]).splitlines()[-1] if _command(["nvcc", "--version"]) else "",
+        "nvcc": (_command(["nvcc", "--version"]).splitlines() or [""])[-1],
         **{name: _version(name) for name in PACKAGES},
     }  # fmt: skip
     (run.out / "environment.json").write_text(json.dumps(info, indent=1))
@@ -108,17 +110,20 @@ def tests(run: Run, emit: Callable[[str], None]) -> str:
     if run.smoke:  # which tests would run, without running them
         command.append("--collect-only")
     process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    limit = threading.Timer(run.test_seconds, process.kill)  # also when a hung test prints nothing
+    limit.start()
     lines: list[str] = []
-    deadline = time.monotonic() + run.test_seconds
+
+    def fenced() -> str:
+        return "```\n" + "\n".join(lines[-200:]) + "\n```"
+
     for line in process.stdout:
         lines.append(line.rstrip())
-        emit("```\n" + "\n".join(lines[-200:]) + "\n```")
-        if time.monotonic() > deadline:
-            process.kill()
-            lines.append(f"(stopped after {run.test_seconds} s)")
-            break
-    process.wait()
-    return "```\n" + "\n".join(lines[-200:]) + "\n```"
+        emit(fenced())
+    limit.cancel()
+    if process.wait() == -signal.SIGKILL:
+        lines.append(f"(stopped after {run.test_seconds} s)")
+    return fenced()
 
 
 def kernels(run: Run, emit: Callable[[str], None]) -> str:

@@ -15,35 +15,26 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_map
 
 from benchmarks.common import markdown_table
 from lightning_lowmem import kernels
 from lightning_lowmem.kernels import build, library, torch_ops, triton_aot
+from lightning_lowmem.surgery.example import tensors_in
 
 EXACT_OPS = ("act_codes", "act_backward", "dropout")
 
 
 def _copied(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.clone()
-    if isinstance(value, (list, tuple)):
-        return type(value)(_copied(v) for v in value)
-    return value
-
-
-def _tensors(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (list, tuple)):
-        return [t for v in value for t in _tensors(v)]
-    return []
+    """``value`` with every tensor in it cloned (launchers such as ``cross_entropy_grad_`` write their input)."""
+    return tree_map(lambda v: v.clone() if isinstance(v, torch.Tensor) else v, value)
 
 
 def _difference(got: Any, want: Any, exact: bool) -> tuple[float, bool]:
     """The largest difference of the outputs, relative to the reference's largest magnitude, and whether it is
     within the tolerance."""
     worst, within = 0.0, True
-    for g, w in zip(_tensors(got), _tensors(want), strict=True):
+    for g, w in zip(tensors_in(got), tensors_in(want), strict=True):
         if g.shape != w.shape or g.dtype != w.dtype:
             return float("inf"), False
         if exact or not g.is_floating_point():
@@ -67,7 +58,7 @@ class Compared:
 
     def __getattr__(self, op: str) -> Callable[..., Any]:
         def compare(*args: Any) -> Any:
-            first = next(t for t in _tensors(args) if t.is_floating_point())
+            first = next(t for t in tensors_in(args) if t.is_floating_point())
             record = {"backend": self.backend, "op": op, "dtype": str(first.dtype).removeprefix("torch."),
                       "shape": "x".join(map(str, first.shape))}  # fmt: skip
             want = getattr(torch_ops, op)(*_copied(args))

@@ -149,10 +149,13 @@ def max_batch_size(
         measured, fixed = _activation_bytes(model, example_input, parsed, ladder)
         per_row = max((measured - fixed) / batch_size(example_input, owner), 1.0)
         size = int((budget_bytes - fixed) // per_row)
-        while size >= 1 and not fits(size):
+        if size >= 1 and fits(size):  # up while the next fits, or down to the first that fits: each size once
+            while fits(size + 1):
+                size += 1
+        else:
             size -= 1
-        while size >= 1 and fits(size + 1):
-            size += 1
+            while size >= 1 and not fits(size):
+                size -= 1
     if size < 1:
         raise ValueError(f"{owner}: not even one example fits {budget_mib:g} MiB of activations")
     return size
