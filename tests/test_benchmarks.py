@@ -245,6 +245,17 @@ def test_the_gpu_benchmark_forces_a_backend_for_the_ops_of_a_device_and_gives_it
     assert kernels.implementation(cpu) is library.OPS
 
 
+def test_a_slow_converted_step_is_explained_by_the_ops_whose_time_grew_most():
+    from benchmarks.gpu.models import profile_table
+
+    stock = {"aten::mm": (10, 0.010), "aten::gelu": (2, 0.002), "aten::native_dropout": (4, 0.001)}
+    converted = {"aten::mm": (10, 0.010), "lowmem::act_codes": (2, 0.003), "aten::native_dropout": (4, 0.0005)}
+    table = profile_table({"stock": stock, "converted": converted}, rows=2).splitlines()
+    assert table[2] == "| `lowmem::act_codes` | 0 | 0.00 | 2 | 3.00 | +3.00 |"  # grew most: first
+    assert table[3].startswith("| `aten::mm` |") and table[-1] == "| all |  | 13.00 |  | 13.50 | +0.50 |"
+    assert len(table) == 2 + 2 + 1
+
+
 def test_the_gpu_command_rehearses_on_the_cpu_writing_each_stage_as_it_goes(tmp_path, capsys, monkeypatch):
     """``python -m benchmarks.gpu --smoke``: every stage but the slow ones (tests only collected, ops timed) runs on
     tiny shapes and leaves its file; a stage that fails is written down and the next one runs."""
@@ -260,6 +271,8 @@ def test_the_gpu_command_rehearses_on_the_cpu_writing_each_stage_as_it_goes(tmp_
     kernels = written["02-kernels.md"]
     assert "| cpp | norm_backward | float32 |" in kernels and "| triton | cross_entropy_grad_ | bfloat16 |" in kernels
     assert "| converted, compiled / eager |" in written["04-compile.md"]
+    models = written["03-models.md"]  # a smoke run always profiles: the path a slow converted step takes
+    assert models.count("Where the time went in") == 4 and models.count("\n| all |") == 4, models
     assert "predicted **" in written["05-long_context.md"] and results.read_text() == before
     logged = [line.split(" ", 1)[1] for line in (tmp_path / "progress.log").read_text().splitlines()]
     assert logged[0] == "environment: started" and logged[1].startswith("environment: done in")

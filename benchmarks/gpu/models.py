@@ -31,6 +31,7 @@ from lightning_lowmem import apply_lowmem
 from lightning_lowmem.memory import MIB, SavedTensorMeter
 
 GIB = float(1 << 30)
+PROFILE_ABOVE = 1.05  # the issue's bound on converted / stock step time
 
 
 @dataclass(frozen=True)
@@ -119,10 +120,14 @@ def build_on(config: Config, layers: int | None, device: torch.device) -> nn.Mod
 
 def measure_models(device: torch.device, settings: dict[str, Setting], rounds: int, smoke: bool) -> str:
     """Each model stock and converted (markdown); rows printed as they come."""
-    rows = []
+    rows, profiles = [], []
     for name, setting in settings.items():
         try:
-            rows.append(measure_model(name, setting, device, rounds, smoke))
+            row, profile = measure_model(name, setting, device, rounds, smoke)
+            rows.append(row)
+            profiles += (
+                [f"Where the time went in {name} (one step each, by self time):\n\n{profile}"] if profile else []
+            )
         except Exception as err:  # noqa: BLE001 - written in its row: the next model still runs
             rows.append([name, f"failed: {type(err).__name__}: {str(err).splitlines()[0][:200]}", *[""] * 8])
             _release(device)
@@ -133,11 +138,14 @@ def measure_models(device: torch.device, settings: dict[str, Setting], rounds: i
         "saved-bytes saving MiB (the prediction)", "stock step (median)", f"converted / stock step ({rounds} rounds)",
         "measured in",
     ]  # fmt: skip
-    return markdown_table(header, rows)
+    return "\n\n".join([markdown_table(header, rows), *profiles])
 
 
-def measure_model(name: str, setting: Setting, device: torch.device, rounds: int, smoke: bool) -> list[str]:
-    """One model's row: peaks, saved bytes, step times."""
+def measure_model(
+    name: str, setting: Setting, device: torch.device, rounds: int, smoke: bool
+) -> tuple[list[str], str | None]:
+    """One model's row (peaks, saved bytes, step times) and, if its converted step is slower than
+    ``PROFILE_ABOVE`` times stock's (always in a smoke run, to rehearse it), the ops whose time grew most."""
     started = time.perf_counter()
     config = CONFIGS[setting.config]
     if smoke:  # one ViT-B/16 block on 2 images; the tiny LLaMA for the rest
@@ -155,15 +163,57 @@ def measure_model(name: str, setting: Setting, device: torch.device, rounds: int
     saved_bytes = {"stock": saved(stock, x), "converted": saved(converted, x)}
     times = interleaved_times(steps, repeats=rounds, warmup=1, cuda_events=device.type == "cuda")
     ratio, low, high = paired_ratio(times["converted"], times["stock"])
+    slower = ratio > PROFILE_ABOVE or smoke
+    profile = (
+        profile_table({variant: step_profile(step, device) for variant, step in steps.items()}) if slower else None
+    )
     del stock, converted, steps
     _release(device)
-    return [
+    row = [
         name, _mib(peaks["stock"]), _mib(peaks["converted"]), _mib(peaks["stock"] - peaks["converted"]),
         _mib(saved_bytes["stock"]), _mib(saved_bytes["converted"]),
         _mib(saved_bytes["stock"] - saved_bytes["converted"]),
         f"{1e3 * statistics.median(times['stock']):.1f} ms", f"{ratio:.3f} ({low:.3f}-{high:.3f})",
         f"{time.perf_counter() - started:.0f} s",
     ]  # fmt: skip
+    return row, profile
+
+
+def step_profile(step: Callable[[], object], device: torch.device) -> dict[str, tuple[int, float]]:
+    """Each op's or kernel's calls and self time (seconds) in one step: on a GPU the kernels' device time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    on_gpu = device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if on_gpu else [])]) as profiler:
+        step()
+        if on_gpu:
+            torch.cuda.synchronize(device)
+    return {
+        event.key: (event.count, (event.self_device_time_total if on_gpu else event.self_cpu_time_total) / 1e6)
+        for event in profiler.key_averages()
+        if (event.self_device_time_total if on_gpu else event.self_cpu_time_total) > 0
+    }
+
+
+def profile_table(profiles: dict[str, dict[str, tuple[int, float]]], rows: int = 12) -> str:
+    """The ``rows`` ops whose self time grew most from stock to converted, and the totals (markdown)."""
+    stock, converted = profiles["stock"], profiles["converted"]
+
+    def grown(key: str) -> float:
+        return converted.get(key, (0, 0.0))[1] - stock.get(key, (0, 0.0))[1]
+
+    keys = sorted(stock.keys() | converted.keys(), key=grown, reverse=True)[:rows]
+    table = [
+        [f"`{key[:80]}`", stock.get(key, (0, 0.0))[0], f"{1e3 * stock.get(key, (0, 0.0))[1]:.2f}",
+         converted.get(key, (0, 0.0))[0], f"{1e3 * converted.get(key, (0, 0.0))[1]:.2f}", f"{1e3 * grown(key):+.2f}"]
+        for key in keys
+    ]  # fmt: skip
+    totals = [sum(seconds for _, seconds in profile.values()) for profile in (stock, converted)]
+    table.append(
+        ["all", "", f"{1e3 * totals[0]:.2f}", "", f"{1e3 * totals[1]:.2f}", f"{1e3 * (totals[1] - totals[0]):+.2f}"]
+    )
+    header = ["op or kernel", "stock calls", "stock ms", "converted calls", "converted ms", "converted - stock ms"]
+    return markdown_table(header, table)
 
 
 def measure_compile(device: torch.device, rounds: int, smoke: bool) -> str:
