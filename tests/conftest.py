@@ -5,11 +5,8 @@ Without a GPU the Triton kernels run on CPU tensors in Triton's interpreter. Tri
 first imported (on first use of the Triton backend, never at package import), so setting it here,
 before any test runs, is enough; with a GPU it stays unset and the kernels compile and run there.
 
-``ATEN_CPU_CAPABILITY=avx2`` on an AVX512 machine stands for an AVX2 machine only with oneDNN capped
-alike: else oneDNN still reports AMX where the CPU has it, torch's bf16 flash attention packs its blocks
-for it, and ATen's AVX2 code then refuses them ("pack_vnni2 is only supported when avx512 is
-supported", stock models included). oneDNN reads ``ONEDNN_MAX_CPU_ISA`` once, at its first use: set here,
-before torch is imported.
+``ATEN_CPU_CAPABILITY=avx2`` on an AVX512 machine stands for an AVX2 machine only with two more settings
+(:mod:`benchmarks.forced_capability`), made here before torch is imported.
 """
 
 from __future__ import annotations
@@ -17,8 +14,9 @@ from __future__ import annotations
 import os
 from typing import Any, NamedTuple
 
-if os.environ.get("ATEN_CPU_CAPABILITY", "").lower() == "avx2":
-    os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX2")
+from benchmarks.forced_capability import emulate
+
+emulate()
 
 import pytest
 import torch

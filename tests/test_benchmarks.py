@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import runpy
 import sys
 from pathlib import Path
@@ -285,3 +286,22 @@ def test_the_gpu_command_rehearses_on_the_cpu_writing_each_stage_as_it_goes(tmp_
     assert "FAILED" in (tmp_path / "again" / "00-environment.md").read_text()
     assert "broken on purpose" in (tmp_path / "again" / "00-environment.md").read_text()
     assert "done in" in (tmp_path / "again" / "02-kernels.md").read_text()
+
+
+def test_a_forced_cpu_capability_gets_its_own_inductor_cache_and_onednn_cap(monkeypatch):
+    """A default run's compiled graphs served to an ``ATEN_CPU_CAPABILITY=avx2`` run segfault (the FX graph cache
+    key leaves out the vector ISA): a forced capability compiles into a cache of its own."""
+    from benchmarks.forced_capability import emulate
+
+    for name in ("ATEN_CPU_CAPABILITY", "TORCHINDUCTOR_CACHE_DIR", "ONEDNN_MAX_CPU_ISA"):
+        monkeypatch.delenv(name, raising=False)
+    emulate()
+    assert "TORCHINDUCTOR_CACHE_DIR" not in os.environ and "ONEDNN_MAX_CPU_ISA" not in os.environ
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "AVX2")
+    emulate()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"].endswith("_avx2") and os.environ["ONEDNN_MAX_CPU_ISA"] == "AVX2"
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx512")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/chosen")
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
+    emulate()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == "/chosen" and "ONEDNN_MAX_CPU_ISA" not in os.environ
