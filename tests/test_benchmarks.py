@@ -268,15 +268,19 @@ def test_the_gpu_command_rehearses_on_the_cpu_writing_each_stage_as_it_goes(tmp_
     gpu.main(["--smoke", "--out", str(tmp_path), "--stages", *stages])
     written = {path.name: path.read_text() for path in tmp_path.glob("*.md")}
     assert set(written) == {f"{gpu.STAGES.index(stage):02d}-{stage}.md" for stage in stages}
+    assert {path.name for path in tmp_path.iterdir()} == {*written, "progress.log"}  # nothing the device would drop
+    assert len(gpu.STAGES) + 1 <= gpu.FILES_RETURNED
     assert all("done in" in text for text in written.values()), capsys.readouterr().out
     kernels = written["02-kernels.md"]
+    assert "(in the background):" in kernels and "backend: cpu tensors -> " in kernels  # the prebuild's output
     assert "| cpp | norm_backward | float32 |" in kernels and "| triton | cross_entropy_grad_ | bfloat16 |" in kernels
     assert "| converted, compiled / eager |" in written["04-compile.md"]
     models = written["03-models.md"]  # a smoke run always profiles: the path a slow converted step takes
     assert models.count("Where the time went in") == 4 and models.count("\n| all |") == 4, models
     assert "predicted **" in written["05-long_context.md"] and results.read_text() == before
     logged = [line.split(" ", 1)[1] for line in (tmp_path / "progress.log").read_text().splitlines()]
-    assert logged[0] == "environment: started" and logged[1].startswith("environment: done in")
+    assert logged[:2] == ["extensions: building in the background", "environment: started"]
+    assert logged[2].startswith("environment: done in")
 
     def broken(run, emit):
         raise RuntimeError("broken on purpose")

@@ -119,4 +119,7 @@ def check_kernels(device: torch.device) -> tuple[str, list[dict[str, Any]]]:
         notes.append("Triton's interpreter truncates fp32 -> bf16 where compiled Triton rounds to nearest even: its "
                      "bf16 differences here are the interpreter's.")  # fmt: skip
     lines = [f"{len(records)} calls, {failed} failed, against `torch_ops` on {device.type}.", *notes, "", table]
+    failures = [record for record in records if not record.get("ok")]
+    if failures:
+        lines += ["", "Failed calls (the first 40):", "", *(f"- {record}" for record in failures[:40])]
     return "\n".join(lines), records
