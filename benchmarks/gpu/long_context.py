@@ -62,6 +62,8 @@ def search(device: torch.device, budget_gib: float, smoke: bool, emit: Callable[
         apply_lowmem(model, example_input=x, verify=False, measure=False)
         plan = take_every_step(model, x, Surgery(model), RUNGS)
     if device.type == "cuda":
+        gc.collect()  # what the prediction measured: not held in the allocator's cache against the budget
+        torch.cuda.empty_cache()
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, budget_gib * GIB / total), device)
     intro = (
