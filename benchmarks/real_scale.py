@@ -114,15 +114,8 @@ BLOCKS = {"vit": ["*blocks.[0-9]"], "bert": ["*encoder.layer.[0-9]"]}
 DECODER_BLOCKS = ["*layers.[0-9]"]
 
 # The paper's variant: its two ops alone (approximate activation + memory-sharing norm); stock everything else
-PAPER = {
-    "activation": True,
-    "norm": True,
-    "gated": False,
-    "linear": False,
-    "dropout": False,
-    "head": False,
-    "attention": False,
-}
+PAPER = {"activation": True, "norm": True, "gated": False, "linear": False, "dropout": False, "head": False,
+         "attention": False}  # fmt: skip
 VARIANTS = {"paper": PAPER, "ours": {}}
 
 
@@ -514,7 +507,7 @@ def main() -> None:
         f"and bf16 autocast, batch 1 x {args.tokens} tokens (ViT: 2 images at 224 px), autocast's weight copies "
         "apart (they do not grow with the tokens). Full depth from 1- and 2-layer models: `rest + depth x "
         "(2-layer - 1-layer)`. Causal LMs are called with `labels` (the loss inside the forward). Paper's two ops: "
-        "`apply_lowmem(activation=True, norm=True, gated=False, linear=False, dropout=False, head=False, attention=False)`; every "
+        f"`apply_lowmem({', '.join(f'{key}={value}' for key, value in PAPER.items())})`; every "
         "block checkpointed: the converted model with each decoder block under activation checkpointing (what the "
         "smallest `budget_mib` gives), its forward plus one block recomputed in backward. Gemma 2's attention is "
         "eager (its soft-capping has no SDPA kernel), so its per-token bytes grow with the length; BERT keeps its "

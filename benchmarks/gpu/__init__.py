@@ -140,8 +140,7 @@ def kernels(run: Run, emit: Callable[[str], None]) -> str:
         log.seek(0)
         output = log.read().decode(errors="replace").strip()
         built = f"`python -m lightning_lowmem.kernels build` (in the background):\n```\n{output}\n```\n\n"
-    summary, _ = check_kernels(run.device)
-    return built + summary
+    return built + check_kernels(run.device)
 
 
 def prebuild(run: Run) -> tuple[subprocess.Popen, IO[bytes]]:

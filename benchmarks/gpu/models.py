@@ -188,26 +188,27 @@ def step_profile(step: Callable[[], object], device: torch.device) -> dict[str, 
         step()
         if on_gpu:
             torch.cuda.synchronize(device)
-    return {
-        event.key: (event.count, (event.self_device_time_total if on_gpu else event.self_cpu_time_total) / 1e6)
-        for event in profiler.key_averages()
-        if (event.self_device_time_total if on_gpu else event.self_cpu_time_total) > 0
-    }
+    found = {}
+    for event in profiler.key_averages():
+        seconds = (event.self_device_time_total if on_gpu else event.self_cpu_time_total) / 1e6
+        if seconds > 0:
+            found[event.key] = (event.count, seconds)
+    return found
 
 
 def profile_table(profiles: dict[str, dict[str, tuple[int, float]]], rows: int = 12) -> str:
     """The ``rows`` ops whose self time grew most from stock to converted, and the totals (markdown)."""
     stock, converted = profiles["stock"], profiles["converted"]
+    absent = (0, 0.0)
 
     def grown(key: str) -> float:
-        return converted.get(key, (0, 0.0))[1] - stock.get(key, (0, 0.0))[1]
+        return converted.get(key, absent)[1] - stock.get(key, absent)[1]
 
-    keys = sorted(stock.keys() | converted.keys(), key=grown, reverse=True)[:rows]
-    table = [
-        [f"`{key[:80]}`", stock.get(key, (0, 0.0))[0], f"{1e3 * stock.get(key, (0, 0.0))[1]:.2f}",
-         converted.get(key, (0, 0.0))[0], f"{1e3 * converted.get(key, (0, 0.0))[1]:.2f}", f"{1e3 * grown(key):+.2f}"]
-        for key in keys
-    ]  # fmt: skip
+    table = []
+    for key in sorted(stock.keys() | converted.keys(), key=grown, reverse=True)[:rows]:
+        (stock_calls, stock_seconds), (calls, seconds) = stock.get(key, absent), converted.get(key, absent)
+        table.append([f"`{key[:80]}`", stock_calls, f"{1e3 * stock_seconds:.2f}", calls, f"{1e3 * seconds:.2f}",
+                      f"{1e3 * grown(key):+.2f}"])  # fmt: skip
     totals = [sum(seconds for _, seconds in profile.values()) for profile in (stock, converted)]
     table.append(
         ["all", "", f"{1e3 * totals[0]:.2f}", "", f"{1e3 * totals[1]:.2f}", f"{1e3 * (totals[1] - totals[0]):+.2f}"]
