@@ -99,7 +99,8 @@ def recorder() -> type[SavedRecorder]:
 
 class KernelBackend(NamedTuple):
     """A compiled backend under test: its name, the device its tensors live on, what implements the contract
-    (the Triton module, or the ``torch.ops.lowmem`` operators for the C++ and CUDA extensions)."""
+    (the ``torch.ops.lowmem_triton`` operators of the Triton kernels, or the ``torch.ops.lowmem`` operators for the
+    C++ and CUDA extensions)."""
 
     name: str
     device: str
@@ -116,7 +117,7 @@ def _load_backend(name: str, device: str) -> KernelBackend:
             pytest.skip(f"triton cannot be imported here: {module}")
         if device == "cpu" and not module.INTERPRETED:
             pytest.skip("the Triton kernels run on CPU tensors only in Triton's interpreter (TRITON_INTERPRET=1)")
-        return KernelBackend(name, device, module)
+        return KernelBackend(name, device, library.triton_operators(module))  # as the ops call them
     loaded = build.load("cpu" if name == "cpp" else "cuda")
     if isinstance(loaded, build.BuildError):
         pytest.fail(f"the {name} extension must build here: {loaded}")

@@ -13,6 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
+for _package in ("timm", "transformers", "peft", "sklearn", "matplotlib", "jsonargparse"):  # the examples extra
+    pytest.importorskip(_package)
+
 from examples import compare, llama_finetune, stdlib_data, vit_finetune
 from lightning_lowmem import kernels
 

@@ -324,7 +324,11 @@ def test_triton_runs_cuda_tensors_by_default_and_cpu_tensors_only_interpreted(mo
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability[0])
     monkeypatch.setattr(build, "load", lambda kind: torch_ops)  # "the extension built"
     monkeypatch.delenv(kernels.ENV_VAR, raising=False)
-    assert kernels.backend("cuda") == "triton" and kernels.implementation(torch.device("cuda")) is triton_ops
+    operators = kernels.implementation(torch.device("cuda"))  # the Triton kernels as operators, seen by a trace
+    assert kernels.backend("cuda") == "triton" and operators is library.triton_operators(triton_ops)
+    for name in library.SCHEMAS.keys() - {"stock_activation"}:  # the same operators, in a namespace of their own
+        schema = str(getattr(library.OPS, name).default._schema).replace("lowmem::", "lowmem_triton::")
+        assert str(getattr(operators, name).default._schema) == schema
     assert kernels.backend("cpu") == "cpp"
     monkeypatch.setenv(kernels.ENV_VAR, "cuda")
     assert kernels.backend("cuda") == "cuda" and kernels.backend("cpu") == "cpp"

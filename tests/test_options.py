@@ -6,7 +6,6 @@ import inspect
 from dataclasses import fields
 
 import pytest
-from jsonargparse import ArgumentParser
 from torch import nn
 
 from lightning_lowmem import LowMemBP, Options, apply_lowmem, max_batch_size, plan
@@ -40,7 +39,7 @@ def test_options_are_validated_once_with_clear_errors():
 
 
 def test_lightning_cli_reads_the_options_with_their_types_and_docs():
-    parser = ArgumentParser()
+    parser = pytest.importorskip("jsonargparse").ArgumentParser()
     parser.add_class_arguments(LowMemBP, "callback")
     config = parser.parse_args(["--callback.bits=4", "--callback.gated=false", "--callback.exclude=[head, 'blocks.0']"])
     assert (

@@ -52,6 +52,8 @@ def search(device: torch.device, budget_gib: float, smoke: bool, emit: Callable[
     """Predict, then search (markdown; ``emit`` gets the text so far after each trial). On the CPU nothing holds
     the process to the budget: the smoke run stops after three trials."""
     config = SMOKE["tiny LLaMA"] if smoke else CONFIGS[MODEL]
+    if device.type == "cuda" and device.index is None:  # the memory fraction is set for one device, by index
+        device = torch.device("cuda", torch.cuda.current_device())
     x: Any = batch_for(config, Setting(config.name, None, 256 if smoke else 1024), device)
     with tempfile.TemporaryDirectory() as directory, device:
         model = build(config, config.layers, "lora", directory)

@@ -121,15 +121,24 @@ def _chosen(device_name: str) -> str:
     return _CHOSEN.get(device_name) or _choose_for(device_name)
 
 
+_IMPLEMENTATIONS: dict[str, Any] = {"torch": torch_ops, "cpp": library.OPS, "cuda": library.OPS}
+"""What implements the contract for each backend: the Triton operators are added when Triton is first usable, so
+that :func:`implementation` is a lookup a trace reads, never an import it would trace."""
+
+
 @functools.cache  # the answer for a device and setting is computed once (a build, a GPU query)
 def _choose(device_name: str, setting: str | None) -> str:
     device = torch.device(device_name)
     forced = _forced(setting)
     candidates = () if forced == "torch" else _candidates(device.type, forced)
     reasons = []
+    if "cuda" in candidates:  # the CUDA backend's heads run Triton's cross-entropy: defined before any trace
+        _triton_operators(device)
     for name in candidates:
         reason = _unusable(name, device)
         if reason is None:
+            if name == "triton":
+                _triton_operators(device)
             return name
         if name == forced:
             raise RuntimeError(f"{ENV_VAR}={name} was requested, but the {name} kernels cannot be used: {reason}")
@@ -139,22 +148,28 @@ def _choose(device_name: str, setting: str | None) -> str:
     return "torch"
 
 
+def _triton_operators(device: torch.device) -> Any | None:
+    """The Triton kernels' operators (defined on first use) where they can run tensors on ``device``, else None."""
+    if _triton_unusable(device) is not None:
+        return None
+    _IMPLEMENTATIONS["triton"] = operators = library.triton_operators(_triton_module())
+    return operators
+
+
 def implementation(device: torch.device) -> Any:
-    """What implements the kernel contract for tensors on ``device``: the ``torch.ops.lowmem``
-    operators for the compiled C++/CUDA kernels, else the Triton or pure-PyTorch module."""
-    name = _chosen(str(device))
-    if name == "torch":
-        return torch_ops
-    return _triton_module() if name == "triton" else library.OPS
+    """What implements the kernel contract for tensors on ``device``: the ``torch.ops.lowmem`` operators for the
+    compiled C++/CUDA kernels, ``torch.ops.lowmem_triton`` for Triton's, else the pure-PyTorch module."""
+    return _IMPLEMENTATIONS[_chosen(str(device))]
 
 
 def cross_entropy_implementation(device: torch.device) -> Any:
     """What runs the cross-entropy step (``cross_entropy_grad_``) for tensors on ``device``: :func:`implementation`,
     except that the CUDA C++ backend has no such kernel, so its heads run Triton's (where Triton can run; else the
     reference)."""
-    if _chosen(str(device)) == "cuda" and _triton_unusable(device) is None:
-        return _triton_module()
-    return implementation(device)
+    name = _chosen(str(device))
+    if name == "cuda":
+        return _IMPLEMENTATIONS.get("triton") or _triton_operators(device) or torch_ops
+    return _IMPLEMENTATIONS[name]
 
 
 def autograd_in_cpp(x: torch.Tensor) -> bool:
@@ -163,3 +178,11 @@ def autograd_in_cpp(x: torch.Tensor) -> bool:
     being traced (torch.compile traces the Python autograd functions, which compute the same)."""
     # asked on every eager call: a CPU tensor's device name comes without making a device object and its string
     return not torch.compiler.is_compiling() and _chosen("cpu" if x.is_cpu else str(x.device)) in _EXTENSION_OF
+
+
+def takes_host_side(x: torch.Tensor) -> bool:
+    """Whether calls on ``x`` take the CPU's side where the ops differ by device (what a frozen norm saves, whether
+    reading a value is free): the C++ kernels or the reference on a CPU tensor. Triton's interpreter on CPU tensors
+    (``LIGHTNING_LOWMEM_BACKEND=triton TRITON_INTERPRET=1``) stands for a GPU and takes the GPU's side, so that a CPU
+    test runs it."""
+    return x.is_cpu and _chosen("cpu") != "triton"

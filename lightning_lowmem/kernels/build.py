@@ -69,13 +69,33 @@ def cpu_flags() -> list[str]:
     return []
 
 
+AHEAD_OF_TIME_ARCHS = "8.0;9.0;10.0;12.0"  # A100; H100/H200; B200; RTX 50xx: a build for GPUs elsewhere
+
+
 def cuda_archs() -> str:
-    """The archs to build for: TORCH_CUDA_ARCH_LIST, else the GPUs present (torch adds PTX for the newest)."""
+    """The archs to build for: TORCH_CUDA_ARCH_LIST, else the GPUs present (torch adds PTX for the newest), else
+    none (empty: a CUDA build then needs TORCH_CUDA_ARCH_LIST, see :func:`ahead_of_time`)."""
     explicit = os.environ.get("TORCH_CUDA_ARCH_LIST")
     if explicit:
         return explicit
+    if not torch.cuda.is_available():
+        return ""
     capabilities = {torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())}
     return ";".join(f"{major}.{minor}" for major, minor in sorted(capabilities))
+
+
+@contextlib.contextmanager
+def ahead_of_time(archs: str = AHEAD_OF_TIME_ARCHS) -> Iterator[None]:
+    """Build CUDA kernels for ``archs`` where no GPU is (a CI runner with nvcc, an image built for GPUs elsewhere),
+    unless TORCH_CUDA_ARCH_LIST names some already."""
+    if os.environ.get("TORCH_CUDA_ARCH_LIST") or torch.cuda.is_available():
+        yield
+        return
+    os.environ["TORCH_CUDA_ARCH_LIST"] = archs
+    try:
+        yield
+    finally:
+        del os.environ["TORCH_CUDA_ARCH_LIST"]
 
 
 def compiler_flags(kind: str) -> tuple[list[str], list[str], list[str]]:
@@ -84,7 +104,8 @@ def compiler_flags(kind: str) -> tuple[list[str], list[str], list[str]]:
     otherwise); the library then uses the ``libgomp.so.1`` torch has already loaded."""
     if kind == "cpu":
         return ["-O3", "-fopenmp", *cpu_flags()], [], ["-fopenmp"]
-    return ["-O3"], ["-O3", "-DLOWMEM_CUDA"], []
+    # LOWMEM_CUDA for the C++ files too: they register the CUDA kernels, under the CUDA keys
+    return ["-O3", "-DLOWMEM_CUDA"], ["-O3", "-DLOWMEM_CUDA"], []
 
 
 def source_hash(kind: str) -> str:
@@ -154,10 +175,24 @@ def _check_can_build(kind: str) -> None:
     if kind == "cuda":
         if torch.version.cuda is None:
             raise BuildError("this torch build has no CUDA")
-        if not torch.cuda.is_available():
-            raise BuildError("no CUDA GPU is available")
+        if not cuda_archs():
+            raise BuildError(
+                "no CUDA GPU is available to build for; set TORCH_CUDA_ARCH_LIST (e.g. 9.0) to build for GPUs elsewhere"
+            )
         if cpp_extension.CUDA_HOME is None:
             raise BuildError("the CUDA toolkit (nvcc) was not found; set CUDA_HOME")
+        if cuda_runtime_dir() is None:
+            raise BuildError("the CUDA toolkit's runtime library (libcudart.so) was not found; set CUDA_HOME")
+
+
+def cuda_runtime_dir() -> Path | None:
+    """Where the toolkit's ``libcudart.so`` is, for the link: torch takes the toolkit's home from nvcc's location,
+    which a wrapper script (``/usr/local/bin/nvcc`` running ``/usr/local/cuda-13.0/bin/nvcc``) misplaces."""
+    from torch.utils import cpp_extension
+
+    homes = (os.environ.get("CUDA_HOME"), cpp_extension.CUDA_HOME, "/usr/local/cuda")
+    dirs = (Path(home) / lib for home in homes if home for lib in ("lib64", "lib"))
+    return next((d for d in dirs if (d / "libcudart.so").exists()), None)
 
 
 def _ninja_dirs() -> list[Path]:
@@ -209,6 +244,8 @@ def _compile_into(directory: Path, kind: str, verbose: bool) -> Path:
     print(f"lightning_lowmem: compiling the {kind} kernels into {directory} (about a minute)", file=sys.stderr)
     staging = Path(tempfile.mkdtemp(prefix=f"{directory.name}.staging-", dir=directory.parent))
     cflags, cuda_cflags, ldflags = compiler_flags(kind)
+    if kind == "cuda":
+        ldflags = [*ldflags, f"-L{cuda_runtime_dir()}"]
     try:
         cpp_extension.load(
             name=library_name(kind).removesuffix(".so"),

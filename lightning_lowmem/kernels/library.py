@@ -14,6 +14,10 @@ the dispatcher's business:
 - the fake kernels give shapes and dtypes without computing anything, so ``torch.compile``
   traces the ops as single graph nodes (no graph break) and ``torch.library.opcheck`` passes.
 
+The Triton kernels are the same operators in a namespace of their own, ``torch.ops.lowmem_triton`` (defined when
+Triton is first chosen, :func:`triton_operators`): so torch.compile sees every Triton kernel as one graph node
+with the same fake kernel, never the Python of its launcher.
+
 These operators have no autograd formula of their own: the autograd functions of
 :mod:`lightning_lowmem.ops` call them in their forward and backward. Three more, ``ms_norm``,
 ``affine_linear`` and ``step_activation`` (:data:`AUTOGRAD_SCHEMAS`), are those autograd functions
@@ -24,6 +28,10 @@ backend use the Python functions.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -61,6 +69,10 @@ SCHEMAS = {
     ),
 }
 
+CPU_ONLY = ("norm_exact_columns", "norm_output_forward", "norm_output_backward", "cross_entropy_grad_")
+"""The operators the CUDA extension has no kernel for: on a GPU a frozen norm saves ``z`` (its exact columns would be
+counted on the host, :mod:`lightning_lowmem.ops.norm`), and a fused head runs Triton's cross-entropy."""
+
 AUTOGRAD_SCHEMAS = {
     "ms_norm": (
         "(Tensor x, Tensor? weight, Tensor? bias, int max_exact_columns, int dim, float eps, bool center,"
@@ -73,31 +85,55 @@ AUTOGRAD_SCHEMAS = {
     "step_activation": "(Tensor x, str kind, float[] thresholds, float[] levels, str name) -> Tensor",
 }
 
-_LIBRARY = torch.library.Library(NAMESPACE, "DEF")
-for _name, _schema in SCHEMAS.items():
-    _LIBRARY.define(_name + _schema)
-    _LIBRARY.impl(_name, getattr(torch_ops, _name), "CompositeExplicitAutograd")
+TRITON_NAMESPACE = "lowmem_triton"
+
+
+def _define(namespace: str, schemas: dict[str, str], kernels: ModuleType) -> torch.library.Library:
+    """A library of the operators ``schemas`` names, each computed by the function of that name in ``kernels`` on
+    any device (``CompositeExplicitAutograd``), with the fake kernel of ``lowmem``'s operator of that name."""
+    library = torch.library.Library(namespace, "DEF")
+    for name, schema in schemas.items():
+        library.define(name + schema)
+        library.impl(name, getattr(kernels, name), "CompositeExplicitAutograd")
+        if namespace != NAMESPACE:
+            torch.library.register_fake(f"{namespace}::{name}", _FAKES[name], lib=library)
+    return library
+
+
+def _fake(name: str) -> Callable[[Callable], Callable]:
+    """Register the decorated function as the fake kernel of ``lowmem::name`` (and of its twins in other
+    namespaces, :func:`triton_operators`)."""
+
+    def register(fake: Callable) -> Callable:
+        _FAKES[name] = fake
+        return torch.library.register_fake(f"{NAMESPACE}::{name}", fake, lib=_LIBRARY)
+
+    return register
+
+
+_FAKES: dict[str, Callable] = {}
+_LIBRARY = _define(NAMESPACE, SCHEMAS, torch_ops)
 for _name, _schema in AUTOGRAD_SCHEMAS.items():
     _LIBRARY.define(_name + _schema)
 
 
-@torch.library.register_fake(f"{NAMESPACE}::act_codes")
+@_fake("act_codes")
 def _act_codes_fake(x: torch.Tensor, thresholds: list[float]) -> torch.Tensor:
     bits = torch_ops.storage_bits(len(thresholds))
     return x.new_empty(torch_ops.packed_bytes(x.numel(), bits), dtype=torch.uint8)
 
 
-@torch.library.register_fake(f"{NAMESPACE}::act_forward")
+@_fake("act_forward")
 def _act_forward_fake(x: torch.Tensor, kind: str, thresholds: list[float]) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.empty_like(x, memory_format=torch.contiguous_format), _act_codes_fake(x, thresholds)
 
 
-@torch.library.register_fake(f"{NAMESPACE}::act_backward")
+@_fake("act_backward")
 def _act_backward_fake(grad: torch.Tensor, packed: torch.Tensor, levels: list[float]) -> torch.Tensor:
     return torch.empty_like(grad, memory_format=torch.contiguous_format)
 
 
-@torch.library.register_fake(f"{NAMESPACE}::norm_forward")
+@_fake("norm_forward")
 def _norm_forward_fake(
     x: torch.Tensor, dim: int, eps: float, center: bool, out_dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,7 +142,7 @@ def _norm_forward_fake(
     return z, x.new_empty(x.numel() // dim, dtype=torch_ops.accumulate_dtype(x.dtype))
 
 
-@torch.library.register_fake(f"{NAMESPACE}::norm_affine_forward")
+@_fake("norm_affine_forward")
 def _norm_affine_forward_fake(
     x: torch.Tensor,
     dim: int,
@@ -121,7 +157,7 @@ def _norm_affine_forward_fake(
     return torch.empty_like(z), z, rstd
 
 
-@torch.library.register_fake(f"{NAMESPACE}::norm_backward")
+@_fake("norm_backward")
 def _norm_backward_fake(
     grad: torch.Tensor,
     z: torch.Tensor,
@@ -136,7 +172,7 @@ def _norm_backward_fake(
     return z.new_empty(z.shape, dtype=dtype), sums
 
 
-@torch.library.register_fake(f"{NAMESPACE}::norm_exact_columns")
+@_fake("norm_exact_columns")
 def _norm_exact_columns_fake(scale: torch.Tensor | None, shift: torch.Tensor | None) -> torch.Tensor:
     values = scale if scale is not None else shift
     torch._check(values is not None, lambda: "norm_exact_columns: needs a scale or a shift")
@@ -145,7 +181,7 @@ def _norm_exact_columns_fake(scale: torch.Tensor | None, shift: torch.Tensor | N
     return values.new_empty(count, dtype=torch.long)
 
 
-@torch.library.register_fake(f"{NAMESPACE}::norm_output_forward")
+@_fake("norm_output_forward")
 def _norm_output_forward_fake(
     x: torch.Tensor,
     dim: int,
@@ -160,7 +196,7 @@ def _norm_output_forward_fake(
     return y, rstd, y.new_empty((rstd.numel(), columns.numel()))
 
 
-@torch.library.register_fake(f"{NAMESPACE}::norm_output_backward")
+@_fake("norm_output_backward")
 def _norm_output_backward_fake(
     grad: torch.Tensor,
     y: torch.Tensor,
@@ -176,7 +212,7 @@ def _norm_output_backward_fake(
     return y.new_empty(y.shape, dtype=dtype)
 
 
-@torch.library.register_fake(f"{NAMESPACE}::gated_backward")
+@_fake("gated_backward")
 def _gated_backward_fake(
     grad: torch.Tensor, gate: torch.Tensor, second: torch.Tensor, kind: str, act: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -185,12 +221,12 @@ def _gated_backward_fake(
     return like, torch.empty_like(like)
 
 
-@torch.library.register_fake(f"{NAMESPACE}::dropout")
+@_fake("dropout")
 def _dropout_fake(x: torch.Tensor, p: float, seed: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-@torch.library.register_fake(f"{NAMESPACE}::cross_entropy_grad_")
+@_fake("cross_entropy_grad_")
 def _cross_entropy_grad_fake(
     logits: torch.Tensor,
     target: torch.Tensor,
@@ -202,10 +238,21 @@ def _cross_entropy_grad_fake(
     return logits.new_empty(logits.shape[0], dtype=torch.float32)
 
 
-@torch.library.register_fake(f"{NAMESPACE}::stock_activation")
+@_fake("stock_activation")
 def _stock_activation_fake(x: torch.Tensor, kind: str) -> torch.Tensor:
     return torch.empty_like(x)
 
 
 OPS = getattr(torch.ops, NAMESPACE)
 """The operators' namespace: ``OPS.act_codes(x, thresholds)`` etc., the contract of :mod:`.contract`."""
+
+_TRITON_LIBRARY: list[torch.library.Library] = []
+
+
+def triton_operators(triton_ops: ModuleType) -> Any:
+    """``torch.ops.lowmem_triton``: the kernel contract's functions of :mod:`.triton_ops` (the module, imported by
+    the caller) as operators, defined on the first call."""
+    if not _TRITON_LIBRARY:
+        contract = {name: schema for name, schema in SCHEMAS.items() if hasattr(triton_ops, name)}
+        _TRITON_LIBRARY.append(_define(TRITON_NAMESPACE, contract, triton_ops))
+    return getattr(torch.ops, TRITON_NAMESPACE)

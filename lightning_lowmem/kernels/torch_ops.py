@@ -330,7 +330,10 @@ def check_cross_entropy(
     label_smoothing: float,
     softcap: float,
     row_scale: torch.Tensor | None = None,
+    host: bool = True,
 ) -> None:
+    """Clear errors for bad arguments. A target out of bounds: an ``IndexError`` naming it where ``host`` (reading
+    the targets is free), else a device-side assert, as stock's cross-entropy has on a GPU (no synchronisation)."""
     if logits.dim() != 2 or logits.dtype not in CROSS_ENTROPY_DTYPES or not logits.is_contiguous():
         raise ValueError(
             "cross_entropy_grad_: logits must be contiguous float32, bfloat16 or float16 rows, got "
@@ -346,8 +349,14 @@ def check_cross_entropy(
         raise ValueError(
             f"cross_entropy_grad_: label_smoothing must be in [0, 1] and softcap >= 0, got {label_smoothing}, {softcap}"
         )
+    if not logits.shape[1]:
+        return
     outside = (target != ignore_index) & ((target < 0) | (target >= logits.shape[1]))
-    if logits.shape[1] and outside.any():  # one device sync, as stock's cross_entropy has on a GPU
+    if not host:
+        torch._assert_async(
+            ~outside.any(), f"cross_entropy_grad_: a target is out of bounds for {logits.shape[1]} classes"
+        )
+    elif outside.any():
         raise IndexError(
             f"cross_entropy_grad_: target {target[outside][0].item()} is out of bounds for {logits.shape[1]} classes"
         )
@@ -361,7 +370,7 @@ def cross_entropy_grad_(
     softcap: float,
     row_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    check_cross_entropy(logits, target, ignore_index, label_smoothing, softcap, row_scale)
+    check_cross_entropy(logits, target, ignore_index, label_smoothing, softcap, row_scale, host=logits.is_cpu)
     rows = logits.float()
     capped = softcap * torch.tanh(rows / softcap) if softcap else rows
     log_probs = torch.log_softmax(capped, dim=-1)

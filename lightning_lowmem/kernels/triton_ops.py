@@ -476,7 +476,7 @@ def cross_entropy_grad_(
     softcap: float,
     row_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    torch_ops.check_cross_entropy(logits, target, ignore_index, label_smoothing, softcap, row_scale)
+    torch_ops.check_cross_entropy(logits, target, ignore_index, label_smoothing, softcap, row_scale, host=False)
     loss = torch.empty(len(target), dtype=torch.float32, device=logits.device)
     if logits.numel() == 0:
         return loss.zero_()

@@ -235,8 +235,9 @@ class PeakMemoryMonitor(Callback):
         keys = [(stage, name) for stage, figures in stages.items() for name in sorted(figures)]
         if not keys:
             return {}
-        local = torch.tensor([stages[stage][name] for stage, name in keys], dtype=torch.float64)
-        values = trainer.strategy.reduce(local.to(trainer.strategy.root_device), reduce_op="max").tolist()
+        figures = [stages[stage][name] for stage, name in keys]
+        local = torch.tensor(figures, dtype=torch.float64, device=trainer.strategy.root_device)
+        values = trainer.strategy.reduce(local, reduce_op="max").tolist()
         result: dict[str, Figures] = {stage: {} for stage in stages}
         for (stage, name), value in zip(keys, values):
             result[stage][name] = round(value, 3)

@@ -64,6 +64,8 @@ def shared_from(x: torch.Tensor, norm: MemorySharingNorm) -> torch.Tensor | None
     z = base if tag[1] is None else tag[1]
     if x is base:
         return z
+    if tag[3] is not None:  # a view of a seeded dropout's output: its mask was drawn by the whole output's indices
+        return None
     if z.shape != base.shape or z.stride() != base.stride() or not whole_rows(x, base, norm.normalized_shape):
         return None
     return z.as_strided(x.size(), x.stride(), z.storage_offset() + x.storage_offset() - base.storage_offset())
@@ -87,6 +89,28 @@ def tag_dropped(y: torch.Tensor, x: torch.Tensor, p: float, seed: torch.Tensor) 
         y = y.view_as(y)
     setattr(y, _TAG, (tag[0], x if tag[1] is None else tag[1], y._version, (p, seed)))
     return y
+
+
+Sharing = tuple["MemorySharingNorm", torch.Tensor]  # a norm and its z laid out as the tensor it was read from
+
+
+def sharing_of(x: torch.Tensor) -> Sharing | None:
+    """What lets another tensor holding ``x``'s values be read as ``x`` (:func:`tagged`): ``x``'s norm and its ``z``
+    laid out as ``x``, for a norm's output or a view of whole rows of one; ``None`` for anything else (a seeded
+    dropout of one included: its mask is drawn over the whole output). A checkpoint's recompute passes a detached
+    copy of its tensor inputs, which carries no attribute of the input: a tiled MLP hands each tile's sharing on."""
+    norm = norm_of_output(x)
+    if norm is None or dropout_of(x) is not None:
+        return None
+    z = shared_from(x, norm)
+    return None if z is None else (norm, z)
+
+
+def tagged(x: torch.Tensor, sharing: Sharing | None) -> torch.Tensor:
+    """``x`` tagged as the norm output that ``sharing`` (:func:`sharing_of`) describes; ``x`` as it is for ``None``."""
+    if sharing is not None:
+        setattr(x, _TAG, (sharing[0], sharing[1], x._version, None))
+    return x
 
 
 def norm_of_output(x: torch.Tensor) -> MemorySharingNorm | None:

@@ -19,6 +19,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from lightning_lowmem.nn.norm import Sharing, sharing_of, tagged
+
 HOST = torch.device("cpu")
 
 
@@ -34,9 +36,13 @@ def tiled_forward(module: nn.Module, tokens: int, x: torch.Tensor) -> torch.Tens
     forward = type(module).forward
     if not torch.is_grad_enabled() or x.dim() < 2 or x.shape[-2] <= tokens:
         return forward(module, x)
-    return torch.cat(
-        [checkpoint(forward, module, tile, use_reentrant=False) for tile in x.split(tokens, dim=-2)], dim=-2
-    )
+
+    def run(tile: torch.Tensor, sharing: Sharing | None) -> torch.Tensor:
+        # the recompute's tile is a detached copy: tagged as the forward's, its readers save the norm's z again
+        return forward(module, tagged(tile, sharing))
+
+    tiles = x.split(tokens, dim=-2)
+    return torch.cat([checkpoint(run, tile, sharing_of(tile), use_reentrant=False) for tile in tiles], dim=-2)
 
 
 def offloaded_forward(module: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
@@ -45,8 +51,11 @@ def offloaded_forward(module: nn.Module, x: torch.Tensor, *args: Any, **kwargs: 
     device = x.device
     held = torch.empty(x.shape, dtype=x.dtype, device=HOST, pin_memory=x.is_cuda)
     held.copy_(x, non_blocking=x.is_cuda)  # differentiable: the gradient flows back to x
+    # checkpoint stashes the RNG state of the devices of its tensor arguments: without one on x's device the
+    # recompute would draw other dropout masks there
+    on_device = torch.empty(0, device=device)
 
-    def run(held: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        return type(module).forward(module, held.to(device, non_blocking=True), *args, **kwargs)
+    def run(held: torch.Tensor, on_device: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        return type(module).forward(module, held.to(on_device.device, non_blocking=True), *args, **kwargs)
 
-    return checkpoint(run, held, *args, use_reentrant=False, **kwargs)
+    return checkpoint(run, held, on_device, *args, use_reentrant=False, **kwargs)

@@ -125,7 +125,7 @@ def _scaled(grad: torch.Tensor | None, upstream: torch.Tensor) -> torch.Tensor |
     read it)."""
     if grad is None:
         return None
-    eager_cpu = upstream.device.type == "cpu" and not torch.compiler.is_compiling()
+    eager_cpu = kernels.takes_host_side(upstream) and not torch.compiler.is_compiling()
     if eager_cpu and upstream.numel() == 1 and upstream.item() == 1.0:
         return grad
     return (grad * upstream).to(grad.dtype)

@@ -51,11 +51,12 @@ def affine_values(
 
 def writes_output_alone(x: torch.Tensor) -> bool:
     """Whether ``x``'s kernels write ``y`` alone with the affine fused (``norm_output_forward``): the CPU ones.
-    The GPU ones write ``z`` and ``y`` (their ``norm_output_forward`` is the PyTorch reference)."""
-    return x.is_cpu
+    The GPU ones write ``z`` and ``y`` (their ``norm_output_forward`` is the PyTorch reference, and the count of
+    exact columns would be read on the host: a synchronisation)."""
+    return kernels.takes_host_side(x)
 
 
-_NO_COLUMNS = torch.empty(0, dtype=torch.long)
+_NO_COLUMNS = torch.empty(0, dtype=torch.long, device="cpu")
 
 
 MAX_EXACT_FRACTION = 1 / 32

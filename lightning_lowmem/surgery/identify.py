@@ -265,14 +265,14 @@ def norm_spec(module: nn.Module) -> NormSpec:
     registered = norms.registered_as(module)
     kinds, layout = ((registered[0],), registered[1]) if registered else (tuple(NORMS.values()), STOCK_LAYOUT)
     shape, eps = _norm_parts(module, layout, hint=not registered)
-    # float64 input, randomised affine, rows at several scales (eps matters for the small ones)
-    scales = torch.logspace(-3, 2, 6, dtype=torch.float64).view(-1, *([1] * len(shape)))
-    x = (torch.randn(6, *shape, dtype=torch.float64) + 0.5) * scales
+    # float64 input, randomised affine, rows at several scales (eps matters for the small ones), all on the
+    # module's device (a GPU's norm probed on CPU rows fails): never on the default device
+    params = dict(module.named_parameters(recurse=False))
+    device = next(iter(params.values())).device if params else torch.device("cpu")
+    scales = torch.logspace(-3, 2, 6, dtype=torch.float64, device=device).view(-1, *([1] * len(shape)))
+    x = (torch.randn(6, *shape, dtype=torch.float64, device=device) + 0.5) * scales
     # by shape: an FSDP2 parameter may be a shard (DTensor)
-    trial = {
-        name: torch.randn(p.shape, dtype=torch.float64, device=p.device)
-        for name, p in module.named_parameters(recurse=False)
-    }
+    trial = {name: torch.randn(p.shape, dtype=torch.float64, device=device) for name, p in params.items()}
     try:
         with torch.no_grad():
             y = functional_call(module, trial, (x,))

@@ -249,7 +249,7 @@ def fit_lengths(
 def polynomial(xs: Sequence[int], ys: Sequence[float]) -> tuple[float, ...]:
     """The coefficients (constant first) of the polynomial of degree ``len(xs) - 1`` through the points."""
     solution = torch.linalg.solve(
-        torch.tensor([[float(x) ** k for k in range(len(xs))] for x in xs], dtype=torch.float64),
-        torch.tensor(ys, dtype=torch.float64),
+        torch.tensor([[float(x) ** k for k in range(len(xs))] for x in xs], dtype=torch.float64, device="cpu"),
+        torch.tensor(ys, dtype=torch.float64, device="cpu"),
     )
     return tuple(solution.tolist())
