@@ -124,7 +124,9 @@ def test_a_converted_lora_llama_compiles_whole_with_the_triton_kernels(gpu_side)
 class RefuseHostReads(TorchDispatchMode):
     """Raises on the operators that read a device value back to the host (a synchronisation on a GPU)."""
 
-    REFUSED = frozenset({getattr(torch.ops.aten, name).default for name in ("_local_scalar_dense", "is_nonzero", "nonzero")})
+    REFUSED = frozenset(
+        {getattr(torch.ops.aten, name).default for name in ("_local_scalar_dense", "is_nonzero", "nonzero")}
+    )
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func in self.REFUSED:
