@@ -153,6 +153,15 @@ def test_a_converted_training_step_reads_nothing_back_to_the_host(name, gpu_side
 TILE = 16
 
 
+def test_a_target_out_of_bounds_is_a_device_side_assert_on_the_gpus_path(gpu_side):
+    """Reading the targets back to raise would synchronise: the GPU's side asserts on the device, as stock's."""
+    from lightning_lowmem.functional import linear_cross_entropy
+
+    hidden, weight = torch.randn(4, 8), torch.randn(10, 8)
+    with pytest.raises(RuntimeError, match="a target is out of bounds for 10 classes"), RefuseHostReads():
+        linear_cross_entropy(hidden, weight, torch.tensor([1, 2, 10, 3]))
+
+
 def step_gradients(model: nn.Module, batch: dict[str, torch.Tensor], rungs: tuple[str, ...]) -> dict[str, torch.Tensor]:
     """The parameters' gradients of one training step (seed 1) on a copy of ``model`` with every step of ``rungs``
     taken; without rungs, every MLP run plainly on tiles of :data:`TILE` positions, in order: each tile draws its

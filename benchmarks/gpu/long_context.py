@@ -48,9 +48,13 @@ def trains(step: Callable[[], object], device: torch.device) -> tuple[bool, floa
     return True, time.perf_counter() - started, peak
 
 
-def search(device: torch.device, budget_gib: float, smoke: bool, emit: Callable[[str], None]) -> str:
-    """Predict, then search (markdown; ``emit`` gets the text so far after each trial). On the CPU nothing holds
-    the process to the budget: the smoke run stops after three trials."""
+def search(
+    device: torch.device, budget_gib: float, smoke: bool, emit: Callable[[str], None], seconds: float = float("inf")
+) -> str:
+    """Predict, then search (markdown; ``emit`` gets the text so far after each trial) for at most ``seconds`` (the
+    interval found by then is the answer). On the CPU nothing holds the process to the budget: the smoke run stops
+    after three trials."""
+    deadline = time.perf_counter() + seconds
     config = SMOKE["tiny LLaMA"] if smoke else CONFIGS[MODEL]
     if device.type == "cuda" and device.index is None:  # the memory fraction is set for one device, by index
         device = torch.device("cuda", torch.cuda.current_device())
@@ -76,7 +80,7 @@ def search(device: torch.device, budget_gib: float, smoke: bool, emit: Callable[
     rows: list[list[str]] = []
 
     def trial(length: int) -> bool:
-        if smoke and len(rows) == 3:
+        if (smoke and len(rows) == 3) or time.perf_counter() > deadline:
             raise StopSearch
         step = training_step(model, with_length(x, length))
         ok, seconds, peak = trains(step, device)
@@ -107,9 +111,11 @@ def search(device: torch.device, budget_gib: float, smoke: bool, emit: Callable[
     finally:
         if device.type == "cuda":
             torch.cuda.set_per_process_memory_fraction(1.0, device)
+    stopped = f" (the search stopped at its {seconds:.0f} s)" if time.perf_counter() > deadline else ""
     found = (
         "The smoke run: three trials, nothing found."
         if smoke
-        else f"Found by search: **{low:,} tokens** train, {high:,} do not (predicted / found: {predicted / low:.3f})."
+        else f"Found by search{stopped}: **{low:,} tokens** train, {high:,} do not (predicted / found: "
+        f"{predicted / low:.3f})."
     )
     return intro + found + "\n\n" + markdown_table(["tokens", "step", "time", "peak GiB"], rows)
