@@ -17,6 +17,8 @@
 #include <tuple>
 #include <vector>
 
+#include "lowmem_kernels.h"
+
 namespace lowmem {
 namespace {
 
@@ -34,6 +36,15 @@ void refuse_double_backward(const std::string& op) {
 bool requires_grad(const OptionalTensor& t) { return t.has_value() && t->defined() && t->requires_grad(); }
 
 at::Tensor value_or_undefined(const OptionalTensor& t) { return t.has_value() ? *t : at::Tensor(); }
+
+// `t` in `dtype`: `t` itself, no operator called, where it already is (this runs on every call).
+at::Tensor in_dtype(const at::Tensor& t, at::ScalarType dtype) { return t.scalar_type() == dtype ? t : t.to(dtype); }
+
+// A column sum as the gradient of `param` (its dtype and shape).
+at::Tensor as_parameter(const at::Tensor& sums, const at::Tensor& param) {
+  at::Tensor grad = in_dtype(sums, param.scalar_type());
+  return grad.sizes() == param.sizes() ? grad : grad.view(param.sizes());
+}
 
 // `gamma + offset`, the norm's scale (Gemma's RMSNorm: 1 + weight); gamma itself without an offset.
 at::Tensor affine_scale(const at::Tensor& gamma, double offset) { return offset != 0.0 ? gamma + offset : gamma; }
@@ -177,16 +188,19 @@ struct MemorySharingNormFunction : public torch::autograd::Function<MemorySharin
     at::Tensor sums;
     if (needs_input) {
       OptionalTensor scale;
-      if (gamma.defined()) scale = affine_scale(gamma, ctx->saved_data["offset"].toDouble()).to(acc);
+      if (gamma.defined()) scale = in_dtype(affine_scale(gamma, ctx->saved_data["offset"].toDouble()), acc);
       std::tie(out[0], sums) =
           norm_backward(grad, z, rstd, scale, dim, ctx->saved_data["center"].toBool(),
                         ctx->saved_data["in_dtype"].toScalarType(), needs_gamma || needs_beta);
     } else {  // torch_ops.affine_grad_sums
-      at::Tensor g = grad.to(acc).reshape({-1, dim});
-      sums = at::stack({(g * z.to(acc).reshape({-1, dim})).sum(0), g.sum(0)});
+      at::Tensor g = in_dtype(grad, acc).reshape({-1, dim});
+      sums = at::stack({(g * in_dtype(z, acc).reshape({-1, dim})).sum(0), g.sum(0)});
     }
-    if (needs_gamma) out[1] = sums[0].to(gamma.scalar_type()).view(gamma.sizes());
-    if (needs_beta) out[2] = sums[1].to(beta.scalar_type()).view(beta.sizes());
+    if (needs_gamma || needs_beta) {
+      const std::vector<at::Tensor> rows = sums.unbind(0);
+      if (needs_gamma) out[1] = as_parameter(rows[0], gamma);
+      if (needs_beta) out[2] = as_parameter(rows[1], beta);
+    }
     return out;
   }
 };
@@ -201,25 +215,115 @@ std::tuple<at::Tensor, at::Tensor> ms_norm(const at::Tensor& x, const OptionalTe
   return {out[0], out.size() > 1 ? out[1] : at::Tensor()};  // no z (None) where the norm saved y
 }
 
-// lightning_lowmem.ops.affine.AffineLinearFunction.
+// Whether `t` holds data in this process (not a fake or functional tensor of a trace, nor a transform's wrapper):
+// the kernels may then run on it directly, with no operator called (this runs on every dropout).
+bool holds_data(const at::Tensor& t) {
+  static const c10::DispatchKeySet traced({c10::DispatchKey::Python, c10::DispatchKey::Functionalize,
+                                           c10::DispatchKey::FuncTorchBatched, c10::DispatchKey::FuncTorchGradWrapper});
+  return !t.key_set().has_any(traced);
+}
+
+at::Tensor dropout_operator(const at::Tensor& x, double p, const at::Tensor& seed) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("lowmem::dropout", "")
+                       .typed<at::Tensor(const at::Tensor&, double, const at::Tensor&)>();
+  return op.call(x, p, seed);
+}
+
+// The seed as the `seed` argument of lowmem::dropout: its tensor, or [key, first] on the CPU.
+at::Tensor seed_tensor(const PhiloxSeed& seed) {
+  if (seed.tensor.defined()) return seed.tensor;
+  at::Tensor out = at::empty({2}, at::TensorOptions().dtype(at::kLong));
+  int64_t* values = out.mutable_data_ptr<int64_t>();
+  values[0] = static_cast<int64_t>(seed.key);
+  values[1] = static_cast<int64_t>(seed.first);
+  return out;
+}
+
+// The seed a `seed` argument holds: its values where they can be read here, else the tensor itself.
+PhiloxSeed seed_of(const at::Tensor& seed) {
+  if (holds_data(seed)) return philox_seed(seed);
+  PhiloxSeed traced;
+  traced.tensor = seed;
+  return traced;
+}
+
+// A fresh dropout of `x` and its seed, drawn from the device's generator by the kernels; in a trace, by
+// torch.randint (a random operator the trace keeps, as the Python functions draw it).
+std::tuple<at::Tensor, PhiloxSeed> draw_dropout(const at::Tensor& x, double p) {
+  at::Tensor xc = x.contiguous();
+  PhiloxSeed seed;
+  if (holds_data(xc)) {
+    at::Tensor out = at::empty_like(xc, at::MemoryFormat::Contiguous);
+    seed = dropout_draw(xc, p, out);
+    return {out, seed};
+  }
+  seed.tensor = at::randint(int64_t{1} << 62, {2}, xc.options().dtype(at::kLong));
+  return {dropout_operator(xc, p, seed.tensor), seed};
+}
+
+// The dropout of `x` with `seed`, written over `x` where it is the caller's own contiguous tensor (`owned`).
+at::Tensor dropped(const at::Tensor& x, double p, const PhiloxSeed& seed, bool owned) {
+  if (!holds_data(x) || (seed.tensor.defined() && !holds_data(seed.tensor))) {
+    return dropout_operator(x, p, seed_tensor(seed));
+  }
+  at::Tensor xc = x.contiguous();
+  at::Tensor out = owned && xc.is_same(x) ? xc : at::empty_like(xc, at::MemoryFormat::Contiguous);
+  if (xc.numel() > 0) dropout(xc, p, seed, out);
+  return out;
+}
+
+// The seed a function keeps for its backward: its values where they live on the host (no tensor saved), its tensor
+// otherwise (appended to `saved`).
+void keep_seed(AutogradContext* ctx, const PhiloxSeed& seed, std::vector<at::Tensor>& saved) {
+  ctx->saved_data["key"] = static_cast<int64_t>(seed.key);
+  ctx->saved_data["first"] = static_cast<int64_t>(seed.first);
+  saved.push_back(seed.tensor);
+}
+
+PhiloxSeed kept_seed(AutogradContext* ctx, const at::Tensor& tensor) {
+  PhiloxSeed seed;
+  seed.key = static_cast<uint64_t>(ctx->saved_data["key"].toInt());
+  seed.first = static_cast<uint64_t>(ctx->saved_data["first"].toInt());
+  seed.tensor = tensor;
+  return seed;
+}
+
+// lightning_lowmem.ops.affine.AffineLinearFunction, dropout included: with p > 0 and no `dropped` seed, the layer
+// drops its input with a seed drawn here (a LoRA adapter's folded dropout); with one, its input is already that
+// dropout of the norm's output whose z it saves (BERT's embedding dropout).
 struct AffineLinearFunction : public torch::autograd::Function<AffineLinearFunction> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const OptionalTensor& z,
                             const at::Tensor& weight, const OptionalTensor& bias, const OptionalTensor& gamma,
-                            const OptionalTensor& beta, at::ScalarType dtype, double offset) {
-    at::Tensor x_in = x.to(dtype);  // under autocast `dtype` is its dtype: autocast has nothing left to cast
+                            const OptionalTensor& beta, at::ScalarType dtype, double offset, double p,
+                            const OptionalTensor& dropped_seed) {
+    at::Tensor x_in = in_dtype(x, dtype);  // under autocast `dtype` is its dtype: autocast has nothing left to cast
+    const bool applies = p > 0.0 && !dropped_seed.has_value();
+    PhiloxSeed seed;
+    at::Tensor read = x_in;
+    if (applies) {
+      std::tie(read, seed) = draw_dropout(x_in, p);
+    } else if (dropped_seed.has_value()) {
+      seed = seed_of(*dropped_seed);
+    }
     OptionalTensor bias_in;
-    if (bias.has_value()) bias_in = bias->to(dtype);
-    at::Tensor out = at::linear(x_in, weight.to(dtype), bias_in);
+    if (bias.has_value()) bias_in = in_dtype(*bias, dtype);
+    at::Tensor out = at::linear(read, in_dtype(weight, dtype), bias_in);
     // only the weight gradient reads the input: a frozen linear saves none, as stock; a narrower input
     // (bf16 into fp32 adapters) is saved as it is, and widened again in backward
-    const bool narrower = at::promote_types(x.scalar_type(), dtype) == dtype;
+    const bool narrower = c10::promoteTypes(x.scalar_type(), dtype) == dtype;
     at::Tensor saved;
     if (weight.requires_grad()) saved = z.has_value() ? *z : narrower ? x : x_in;
-    ctx->save_for_backward({saved, weight, value_or_undefined(gamma), value_or_undefined(beta)});
+    std::vector<at::Tensor> tensors{saved, weight, value_or_undefined(gamma), value_or_undefined(beta)};
+    const bool masked = applies || dropped_seed.has_value();
+    if (masked) keep_seed(ctx, seed, tensors);
+    ctx->save_for_backward(tensors);
     ctx->saved_data["dtype"] = dtype;
     ctx->saved_data["x_dtype"] = x.scalar_type();
     ctx->saved_data["shared"] = z.has_value();
     ctx->saved_data["offset"] = offset;
+    ctx->saved_data["p"] = masked ? p : 0.0;
+    ctx->saved_data["applies"] = applies;
     ctx->saved_data["needs"] = std::vector<bool>{x.requires_grad(), weight.requires_grad(), requires_grad(bias)};
     return out;
   }
@@ -230,35 +334,83 @@ struct AffineLinearFunction : public torch::autograd::Function<AffineLinearFunct
     const auto needs = ctx->saved_data["needs"].toBoolList();
     const bool needs_x = needs.get(0), needs_w = needs.get(1), needs_b = needs.get(2);
     const at::ScalarType dtype = ctx->saved_data["dtype"].toScalarType();
-    const at::Tensor grad = grads[0].to(dtype);
+    const double p = ctx->saved_data["p"].toDouble();
+    const PhiloxSeed seed = p > 0.0 ? kept_seed(ctx, saved[4]) : PhiloxSeed();
+    const at::Tensor grad = in_dtype(grads[0], dtype);
     const at::Tensor grad_2d = grad.reshape({-1, grad.size(-1)});
-    variable_list out(8);
+    variable_list out(10);
     at::Tensor grad_sum;
     if (needs_b) grad_sum = grad_2d.sum(0);  // one pass over grad, for the bias and the beta term
-    if (needs_w) {
-      // ops.affine._weight_grad: (grad^T z) * (gamma + offset) + outer(sum(grad), beta) from a shared z
-      at::Tensor grad_w = grad_2d.t().mm(inputs_saved.reshape({-1, inputs_saved.size(-1)}).to(dtype));
-      if (ctx->saved_data["shared"].toBool() && (gamma.defined() || beta.defined())) {
+    const bool shared = ctx->saved_data["shared"].toBool() && (gamma.defined() || beta.defined());
+    const double offset = ctx->saved_data["offset"].toDouble();
+    if (needs_w && p > 0.0) {  // ops.affine._dropped_input: the input the layer read, rebuilt, then the mask
+      at::Tensor x = inputs_saved;
+      if (shared) {
         const at::Tensor& param = gamma.defined() ? gamma : beta;
-        grad_w = grad_w.to(at::promote_types(dtype, param.scalar_type()));
-        if (gamma.defined()) grad_w.mul_(affine_scale(gamma, ctx->saved_data["offset"].toDouble()));
+        x = in_dtype(x, c10::promoteTypes(dtype, param.scalar_type()));
+        if (gamma.defined()) x = x * in_dtype(affine_scale(gamma, offset), x.scalar_type());
+        if (beta.defined()) x = x + in_dtype(beta, x.scalar_type());
+      }
+      const at::Tensor rebuilt = in_dtype(x, dtype);
+      const at::Tensor read = dropped(rebuilt, p, seed, /*owned=*/!rebuilt.is_same(inputs_saved));
+      out[2] = in_dtype(grad_2d.t().mm(read.reshape({-1, read.size(-1)})), weight.scalar_type());
+    } else if (needs_w) {
+      // ops.affine._weight_grad: (grad^T z) * (gamma + offset) + outer(sum(grad), beta) from a shared z
+      at::Tensor grad_w = grad_2d.t().mm(in_dtype(inputs_saved.reshape({-1, inputs_saved.size(-1)}), dtype));
+      if (shared) {
+        const at::Tensor& param = gamma.defined() ? gamma : beta;
+        grad_w = in_dtype(grad_w, c10::promoteTypes(dtype, param.scalar_type()));
+        if (gamma.defined()) grad_w.mul_(affine_scale(gamma, offset));
         if (beta.defined()) {
           at::Tensor sum = grad_sum.defined() ? grad_sum : grad_2d.sum(0);
-          grad_w.addr_(sum.to(grad_w.scalar_type()), beta.to(grad_w.scalar_type()));
+          grad_w.addr_(in_dtype(sum, grad_w.scalar_type()), in_dtype(beta, grad_w.scalar_type()));
         }
       }
-      out[2] = grad_w.to(weight.scalar_type());
+      out[2] = in_dtype(grad_w, weight.scalar_type());
     }
-    if (needs_b) out[3] = grad_sum.to(weight.scalar_type());
-    if (needs_x) out[0] = grad.matmul(weight.to(dtype)).to(ctx->saved_data["x_dtype"].toScalarType());
+    if (needs_b) out[3] = in_dtype(grad_sum, weight.scalar_type());
+    if (needs_x) {
+      at::Tensor grad_x = grad.matmul(in_dtype(weight, dtype));
+      if (ctx->saved_data["applies"].toBool()) grad_x = dropped(grad_x, p, seed, true);  // the mask, on what it read
+      out[0] = in_dtype(grad_x, ctx->saved_data["x_dtype"].toScalarType());
+    }
     return out;
   }
 };
 
 at::Tensor affine_linear(const at::Tensor& x, const OptionalTensor& z, const at::Tensor& weight,
                          const OptionalTensor& bias, const OptionalTensor& gamma, const OptionalTensor& beta,
-                         at::ScalarType dtype, double offset) {
-  return AffineLinearFunction::apply(x, z, weight, bias, gamma, beta, dtype, offset);
+                         at::ScalarType dtype, double offset, double p, const OptionalTensor& dropped_seed) {
+  TORCH_CHECK_VALUE(p >= 0.0 && p < 1.0, "affine_linear: dropout p must be in [0, 1), got ", p);
+  return AffineLinearFunction::apply(x, z, weight, bias, gamma, beta, dtype, offset, p, dropped_seed);
+}
+
+// lightning_lowmem.ops.dropout.SeededDropoutFunction with a seed drawn here: (y, seed), the seed for the readers
+// of y that save what y was dropped from (nn.norm.tag_dropped).
+struct SeededDropoutFunction : public torch::autograd::Function<SeededDropoutFunction> {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& x, double p) {
+    auto [y, seed] = draw_dropout(x, p);
+    std::vector<at::Tensor> tensors;
+    keep_seed(ctx, seed, tensors);
+    ctx->save_for_backward(tensors);
+    ctx->saved_data["p"] = p;
+    at::Tensor seed_out = seed_tensor(seed);
+    ctx->mark_non_differentiable({seed_out});
+    return {y, seed_out};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    refuse_double_backward("seeded_dropout");
+    const PhiloxSeed seed = kept_seed(ctx, ctx->get_saved_variables()[0]);
+    return {dropped(grads[0], ctx->saved_data["p"].toDouble(), seed, false), at::Tensor()};
+  }
+};
+
+std::tuple<at::Tensor, at::Tensor> seeded_dropout(const at::Tensor& x, double p) {
+  TORCH_CHECK_VALUE(p > 0.0 && p < 1.0, "seeded_dropout: p must be in (0, 1), got ", p);
+  TORCH_CHECK_TYPE(at::isFloatingType(x.scalar_type()), "seeded_dropout: unsupported dtype ", x.scalar_type());
+  variable_list out = SeededDropoutFunction::apply(x, p);
+  return {out[0], out[1]};
 }
 
 // lightning_lowmem.ops.activation.StepActivationFunction for a contiguous input of a fused kind.
@@ -297,5 +449,6 @@ at::Tensor step_activation(const at::Tensor& x, c10::string_view kind, at::Array
 TORCH_LIBRARY_IMPL(lowmem, LOWMEM_AUTOGRAD_KEY, m) {
   m.impl("ms_norm", &lowmem::ms_norm);
   m.impl("affine_linear", &lowmem::affine_linear);
+  m.impl("seeded_dropout", &lowmem::seeded_dropout);
   m.impl("step_activation", &lowmem::step_activation);
 }

@@ -309,11 +309,13 @@ at::Tensor dropout_op(const at::Tensor& x, double p, const at::Tensor& seed) {
   check_float("dropout", "x", x);
   check_tensor("dropout", "seed", seed);
   TORCH_CHECK_VALUE(p >= 0.0 && p < 1.0, "dropout: p must be in [0, 1), got ", p);
-  TORCH_CHECK_VALUE(seed.scalar_type() == at::kLong && seed.numel() == 1, "dropout: seed must be one int64 value, got ",
-                    seed.numel(), " of ", seed.scalar_type());
+  TORCH_CHECK_VALUE(seed.scalar_type() == at::kLong && (seed.numel() == 1 || seed.numel() == 2) &&
+                        seed.is_contiguous(),
+                    "dropout: seed must be one or two int64 values (a key, and a first counter), got ", seed.numel(),
+                    " of ", seed.scalar_type());
   at::Tensor xc = x.contiguous();
   at::Tensor out = at::empty_like(xc, at::MemoryFormat::Contiguous);
-  if (x.numel() > 0) dropout(xc, p, seed, out);
+  if (x.numel() > 0) dropout(xc, p, philox_seed(seed), out);
   return out;
 }
 

@@ -2,6 +2,7 @@
 // -fopenmp) over blocks of elements or rows, at::vec::Vectorized arithmetic, fp32 accumulation (fp64
 // for fp64). Half and bfloat16 are widened to fp32 in registers where the kernel has a vector path,
 // else staged through a small fp32 buffer (the portable code / fp64 paths of the codes kernels).
+#include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
@@ -13,6 +14,7 @@
 #include <immintrin.h>
 #endif
 #include <limits>
+#include <mutex>
 #include <array>
 #include <cstring>
 #include <tuple>
@@ -957,14 +959,14 @@ void philox_words(uint64_t seed, uint64_t first, int64_t n, uint32_t* words) {
 }
 
 template <typename T>
-void dropout_kernel(const T* x, int64_t numel, uint64_t seed, uint32_t threshold, at::opmath_type<T> scale, T* out) {
+void dropout_kernel(const T* x, int64_t numel, PhiloxSeed seed, uint32_t threshold, at::opmath_type<T> scale, T* out) {
   using acc_t = at::opmath_type<T>;
   const int64_t counters = (numel + 3) / 4;
   at::parallel_for(0, counters, 4 * kDropoutCounters, [&](int64_t begin, int64_t end) {
     alignas(64) uint32_t words[4 * kDropoutCounters];
     for (int64_t first = begin; first < end; first += kDropoutCounters) {
       const int64_t n = std::min(kDropoutCounters, end - first);
-      philox_words(seed, static_cast<uint64_t>(first), n, words);
+      philox_words(seed.key, seed.first + static_cast<uint64_t>(first), n, words);
       const int64_t offset = 4 * first, count = std::min(4 * n, numel - offset);
       const T* src = x + offset;
       T* dst = out + offset;
@@ -1141,13 +1143,31 @@ void gated_backward(const at::Tensor& grad, const at::Tensor& gate, const at::Te
   });
 }
 
-void dropout(const at::Tensor& x, double p, const at::Tensor& seed, at::Tensor& out) {
-  const uint64_t key = static_cast<uint64_t>(seed.item<int64_t>());
+PhiloxSeed philox_seed(const at::Tensor& seed) {
+  const int64_t* values = seed.const_data_ptr<int64_t>();  // on the CPU: read here, no operator called
+  PhiloxSeed out;
+  out.key = static_cast<uint64_t>(values[0]);
+  out.first = seed.numel() > 1 ? static_cast<uint64_t>(values[1]) : 0;
+  return out;
+}
+
+void dropout(const at::Tensor& x, double p, const PhiloxSeed& seed, at::Tensor& out) {
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "dropout", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    dropout_kernel(x.const_data_ptr<scalar_t>(), x.numel(), key, dropout_threshold(p),
+    dropout_kernel(x.const_data_ptr<scalar_t>(), x.numel(), seed, dropout_threshold(p),
                    static_cast<acc_t>(1.0 / (1.0 - p)), out.mutable_data_ptr<scalar_t>());
   });
+}
+
+PhiloxSeed dropout_draw(const at::Tensor& x, double p, at::Tensor& out) {
+  auto* generator = at::get_generator_or_default<at::CPUGeneratorImpl>(std::nullopt, at::detail::getDefaultCPUGenerator());
+  PhiloxSeed seed;
+  {
+    std::lock_guard<std::mutex> lock(generator->mutex_);
+    seed.key = generator->random64();
+  }
+  if (x.numel() > 0) dropout(x, p, seed, out);
+  return seed;
 }
 
 void cross_entropy_grad(at::Tensor& logits, const at::Tensor& target, int64_t ignore_index, double label_smoothing,

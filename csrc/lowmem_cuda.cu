@@ -3,12 +3,16 @@
 // per block with a two-pass (mean, then centered squares) block reduction in fp32 (fp64).
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
+#include <ATen/cuda/CUDAGeneratorImpl.h>
+#include <ATen/cuda/PhiloxUtils.cuh>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 
 #include <algorithm>
 #include <limits>
+#include <mutex>
+#include <tuple>
 #include <type_traits>
 
 #include "lowmem_kernels.h"
@@ -186,17 +190,32 @@ int norm_threads(int64_t dim) {
   return static_cast<int>(std::min<int64_t>(512, std::max<int64_t>(32, (dim + 31) / 32 * 32)));
 }
 
-// One Philox counter (four elements) per thread; the seed is read on the device (no host synchronisation).
-template <typename T>
-__global__ void dropout_kernel(const T* __restrict__ x, int64_t numel, const int64_t* __restrict__ seed,
-                               uint32_t threshold, at::opmath_type<T> scale, T* __restrict__ out) {
+// One Philox counter (four elements) per thread; the seed is read on the device (no host synchronisation): from
+// `seed` (seed_words int64: key, first counter), or with kDraw from the generator's state, unpacked here (as ATen's
+// kernels do: CUDA-graph safe) and written to `seed` for the backward.
+template <typename T, bool kDraw>
+__global__ void dropout_kernel(const T* __restrict__ x, int64_t numel, int64_t* __restrict__ seed, int seed_words,
+                               at::PhiloxCudaState state, uint32_t threshold, at::opmath_type<T> scale,
+                               T* __restrict__ out) {
   using acc_t = at::opmath_type<T>;
-  const uint64_t key = static_cast<uint64_t>(*seed);
+  uint64_t key, first;
+  if constexpr (kDraw) {
+    const auto unpacked = at::cuda::philox::unpack(state);
+    key = std::get<0>(unpacked);
+    first = std::get<1>(unpacked);
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+      seed[0] = static_cast<int64_t>(key);
+      seed[1] = static_cast<int64_t>(first);
+    }
+  } else {
+    key = static_cast<uint64_t>(seed[0]);
+    first = seed_words > 1 ? static_cast<uint64_t>(seed[1]) : 0;
+  }
   const int64_t counters = (numel + 3) / 4;
   for (int64_t c = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; c < counters;
        c += static_cast<int64_t>(blockDim.x) * gridDim.x) {
     uint32_t words[4];
-    philox4x32(key, static_cast<uint64_t>(c), words);
+    philox4x32(key, first + static_cast<uint64_t>(c), words);
 LOWMEM_UNROLL
     for (int k = 0; k < 4; ++k) {
       const int64_t i = 4 * c + k;
@@ -310,16 +329,48 @@ void gated_backward(const at::Tensor& grad, const at::Tensor& gate, const at::Te
   });
 }
 
-void dropout(const at::Tensor& x, double p, const at::Tensor& seed, at::Tensor& out) {
+namespace {
+
+template <bool kDraw>
+void launch_dropout(const at::Tensor& x, double p, const at::Tensor& seed, at::PhiloxCudaState state,
+                    at::Tensor& out) {
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t blocks = elementwise_blocks((x.numel() + 3) / 4);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "dropout", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    dropout_kernel<scalar_t><<<blocks, kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
-        x.const_data_ptr<scalar_t>(), x.numel(), seed.const_data_ptr<int64_t>(), dropout_threshold(p),
-        static_cast<acc_t>(1.0 / (1.0 - p)), out.mutable_data_ptr<scalar_t>());
+    dropout_kernel<scalar_t, kDraw><<<blocks, kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+        x.const_data_ptr<scalar_t>(), x.numel(), const_cast<int64_t*>(seed.const_data_ptr<int64_t>()),
+        static_cast<int>(seed.numel()), state, dropout_threshold(p), static_cast<acc_t>(1.0 / (1.0 - p)),
+        out.mutable_data_ptr<scalar_t>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }
+
+}  // namespace
+
+PhiloxSeed philox_seed(const at::Tensor& seed) {
+  PhiloxSeed out;
+  out.tensor = seed;
+  return out;
+}
+
+void dropout(const at::Tensor& x, double p, const PhiloxSeed& seed, at::Tensor& out) {
+  launch_dropout<false>(x, p, seed.tensor, at::PhiloxCudaState(), out);
+}
+
+PhiloxSeed dropout_draw(const at::Tensor& x, double p, at::Tensor& out) {
+  auto* generator = at::get_generator_or_default<at::CUDAGeneratorImpl>(
+      std::nullopt, at::cuda::detail::getDefaultCUDAGenerator(x.device().index()));
+  at::PhiloxCudaState state;
+  {
+    std::lock_guard<std::mutex> lock(generator->mutex_);
+    state = generator->philox_cuda_state(static_cast<uint64_t>((x.numel() + 3) / 4));  // the counters it uses
+  }
+  PhiloxSeed seed;
+  seed.tensor = at::empty({2}, x.options().dtype(at::kLong));
+  launch_dropout<true>(x, p, seed.tensor, state, out);
+  return seed;
+}
+
 
 }  // namespace lowmem

@@ -81,10 +81,26 @@ void norm_output_backward(const at::Tensor& grad, const at::Tensor& y, const at:
                           bool center, at::Tensor& grad_input);
 #endif
 
-// out = x * keep / (1 - p), keep from the Philox words of the int64 `seed` (one element, on x's device; see
-// philox4x32), in x's accumulate type; x and out contiguous, 0 <= p < 1. A backward calls it on the gradient
-// with the same seed.
-void dropout(const at::Tensor& x, double p, const at::Tensor& seed, at::Tensor& out);
+// A dropout mask's seed (see philox4x32): its Philox key and first counter as host values (CPU), or `tensor`,
+// int64 [key] or [key, first counter] where the values are not on the host: on the GPU, read there by the kernel
+// (nothing waits for the host, and a CUDA graph replays it), or in a trace.
+struct PhiloxSeed {
+  uint64_t key = 0, first = 0;
+  at::Tensor tensor;
+};
+
+// The seed an operator's `seed` argument holds (one int64 key, or key and first counter, on the kernels' device).
+PhiloxSeed philox_seed(const at::Tensor& seed);
+
+// out = x * keep / (1 - p), keep from the Philox words of `seed` (see philox4x32), in x's accumulate type; x and
+// out contiguous, 0 <= p < 1. A backward calls it on the gradient with the same seed.
+void dropout(const at::Tensor& x, double p, const PhiloxSeed& seed, at::Tensor& out);
+
+// dropout with a seed drawn from the default generator of x's device, as ATen's own dropout draws: a key from the
+// CPU's, the GPU's key and as many consecutive counters as the mask uses (no launch, no host synchronisation,
+// CUDA-graph safe: the kernel writes them to `tensor`). torch.manual_seed and checkpointing's replay of the
+// generators govern it as they govern stock dropout. Returns the seed.
+PhiloxSeed dropout_draw(const at::Tensor& x, double p, at::Tensor& out);
 
 // Gradients of h = act(gate) * up (kind: silu, gelu or gelu_tanh) from grad = dL/dh. An undefined `act`:
 // `second` is up and act is evaluated here; else `act` holds the forward's act(gate) and `second` is h,

@@ -111,9 +111,11 @@ LOWMEM_HD V norm_input_grad(V g, V z, V rstd, V mean_g, V mean_gz) {
 
 // Dropout masks from a counter-based generator, so that a backward regenerates its forward's mask from the
 // seed alone: Philox4x32-10 (Salmon et al., SC 2011), the very rounds of ATen's PhiloxRNGEngine and Triton's
-// tl.philox, so every backend draws the same mask from one seed. Element i of a (contiguous) tensor is kept
-// when word i % 4 of the block for counter i / 4 (its low and high words the counter's first two; key: the
-// seed's low and high words) is at least dropout_threshold(p); kept values are scaled by 1 / (1 - p).
+// tl.philox, so every backend draws the same mask from one seed. A seed is a key and a first counter (0 unless
+// given: a GPU's generator hands out one key and consecutive counters, as to ATen's own random kernels). Element
+// i of a (contiguous) tensor is kept when word i % 4 of the block for counter first + i / 4 (its low and high
+// words the counter's first two; key: its low and high words) is at least dropout_threshold(p); kept values are
+// scaled by 1 / (1 - p).
 constexpr int kPhiloxRounds = 10;
 constexpr uint32_t kPhiloxKeyA = 0x9E3779B9u, kPhiloxKeyB = 0xBB67AE85u;
 

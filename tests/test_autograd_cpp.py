@@ -10,7 +10,9 @@ import torch
 from torch import nn
 
 from lightning_lowmem import kernels
-from lightning_lowmem.nn import LowMemActivation, LowMemLinear, MSLayerNorm, MSRMSNorm
+from lightning_lowmem.kernels import library
+from lightning_lowmem.nn import LowMemActivation, LowMemLinear, MSLayerNorm, MSRMSNorm, SeededDropout
+from lightning_lowmem.ops import affine, dropout
 from lightning_lowmem.ops.activation import step_activation
 from lightning_lowmem.ops.norm import memory_sharing_norm
 
@@ -128,6 +130,49 @@ def test_norm_linears_and_activation_match(
         (columns,) = [t for t in saved_c if t.dtype == torch.long]
         assert saved_c[0].grad_fn is not None and columns.tolist() == [0]
         assert [t.shape for t in saved_c if t.shape == (21, 1)] == [(21, 1)]
+
+
+@pytest.mark.parametrize("frozen_norm", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, "autocast"])
+def test_dropouts_match_on_the_seeds_the_cpp_functions_draw(frozen_norm, dtype, monkeypatch, recorder):
+    """A linear with a folded dropout (LoRA's) and a seeded dropout of the norm's output read by another linear
+    (BERT's, its seed kept by it and, with a norm that saves z, by its reader): the C++ functions draw their seeds from the CPU generator in C++ and keep them as integers (no tensor
+    saved); the Python functions, given those seeds, compute the same bits and save the rest alike."""
+    module = block(MSLayerNorm, 32, 0.0, True, False, frozen_norm)
+    module.first.dropout, module.dropout = 0.2, SeededDropout(0.1)
+    if dtype == torch.bfloat16:
+        module = module.to(dtype)
+    x = torch.randn(3, 7, 32, dtype=torch.bfloat16 if dtype == torch.bfloat16 else torch.float32)
+
+    def forward(x):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "autocast"):
+            y = module.norm(x)
+            read = module.first(y)  # draws first
+            return module.act(read).sum(-1, keepdim=True) * module.second(module.dropout(y))
+
+    torch.manual_seed(0)
+    seeds = [library.OPS.seeded_dropout(torch.ones(1), 0.5)[1] for _ in range(2)]  # the C++ draws, in order
+    runs = {}
+    for path in PATHS:
+        drawn = iter(seeds)
+        monkeypatch.setattr(affine, "draw_seed", lambda device: next(drawn))
+        monkeypatch.setattr(dropout, "draw_seed", lambda device: next(drawn))
+        module.zero_grad(set_to_none=True)
+        torch.manual_seed(0)
+        out, grads, names, rec = run(path, monkeypatch, recorder, forward, x.requires_grad_())
+        runs[path] = (out, grads + [p.grad for p in module.parameters() if p.requires_grad], names, rec)
+    (out_c, grads_c, names_c, rec_c), (out_p, grads_p, _, rec_p) = runs["cpp"], runs["python"]
+    assert torch.equal(out_c, out_p) and next(drawn, None) is None  # the Python path took both seeds
+    for grad_c, grad_p in zip(grads_c, grads_p, strict=True):
+        assert torch.equal(grad_c, grad_p)
+    seeds_saved = [t for t in rec_p.saved if t.dtype == torch.long and t.numel() == 2]
+    assert len(seeds_saved) == (2 if frozen_norm else 3) and not [
+        t for t in rec_c.saved if t.dtype == torch.long and t.numel() == 2
+    ]
+    assert [(t.dtype, t.shape) for t in rec_c.saved] == [
+        (t.dtype, t.shape) for t in rec_p.saved if not any(t is s for s in seeds_saved)
+    ]
+    assert {"torch::autograd::CppNode<lowmem::(anonymous namespace)::AffineLinearFunction>"} <= names_c
 
 
 @pytest.mark.parametrize("activation", ["gelu", "gelu_tanh", "silu"])

@@ -93,9 +93,12 @@ def autograd_samples(x: torch.Tensor) -> dict[str, list[tuple]]:
             (x, frozen, frozen_bias, 0, 40, 1e-5, True, dtype, 0.0, "ms_layer_norm"),  # one column too many: z
         ],
         "affine_linear": [
-            (x, z, linear_weight, linear_bias, weight, bias, dtype, 0.0),
-            (x, None, linear_weight, None, None, None, torch.float32, 0.0),
+            (x, z, linear_weight, linear_bias, weight, bias, dtype, 0.0, 0.0, None),
+            (x, None, linear_weight, None, None, None, torch.float32, 0.0, 0.0, None),
+            (x, z, linear_weight, linear_bias, weight, bias, dtype, 0.0, 0.1, torch.tensor([7, 3])),  # x dropped
+            (x, None, linear_weight, None, None, None, torch.float32, 0.0, 0.1, None),  # drops x: a seed drawn
         ],
+        "seeded_dropout": [(x, 0.1)],
         "step_activation": [(x, "gelu", GELU_2BIT.thresholds, GELU_2BIT.levels, "regelu2")],
     }
 
@@ -105,14 +108,16 @@ def autograd_samples(x: torch.Tensor) -> dict[str, list[tuple]]:
 def test_every_operator_passes_opcheck(name, dtype):
     assert kernels.backend("cpu") == "cpp"  # the extension's CPU kernels are registered and run
     for args in op_samples(dtype)[name]:
-        tests = EAGER_ONLY_TESTS if name == "ms_norm" and args[3] >= 0 else DEFAULT_TESTS
+        draws = name == "seeded_dropout" or (name == "affine_linear" and args[8] > 0 and args[9] is None)
+        tests = EAGER_ONLY_TESTS if draws or (name == "ms_norm" and args[3] >= 0) else DEFAULT_TESTS
         torch.library.opcheck(getattr(library.OPS, name).default, args, test_utils=tests)
 
 
 DEFAULT_TESTS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
 # ms_norm with max_exact_columns >= 0 (eager calls only: ops.norm passes -1 under torch.compile) saves y or z
 # by the number of its affine's exact columns, which a trace cannot know: traced, it saves z (next test), so
-# its second output, z or None, differs from the eager call's
+# its second output, z or None, differs from the eager call's; and a dropout that draws its seed (eager calls
+# only: traced, the Python functions draw it with torch.randint) differs from one call to the next
 EAGER_ONLY_TESTS = DEFAULT_TESTS[:-1]
 
 

@@ -47,6 +47,19 @@ def test_every_backend_draws_the_reference_mask(kernel_backend, dtype):
     torch.testing.assert_close(kernel_backend.module.dropout(x.mT, 0.1, seed), torch_ops.dropout(x.mT, 0.1, seed))
 
 
+def test_a_seeds_first_counter_continues_its_keys_stream(kernel_backend):
+    """``[key, first]`` draws the mask the key alone draws for elements ``4 * first`` on (a GPU's generator hands one
+    key and consecutive counters to each draw, as to ATen's own kernels); 2^40 + 1 counters: past 32 bits."""
+    ones = torch.ones(4096 + 30, device=kernel_backend.device)
+    key = torch.tensor([2**40 + 5], device=kernel_backend.device)
+    whole = kernel_backend.module.dropout(ones, 0.3, key)
+    for first in (1, 256):
+        part = kernel_backend.module.dropout(ones[4 * first :], 0.3, torch.tensor([2**40 + 5, first], device=key.device))
+        assert torch.equal(part, whole[4 * first :])
+    far = torch.tensor([7, 2**40 + 1], device=key.device)
+    torch.testing.assert_close(kernel_backend.module.dropout(ones, 0.3, far), torch_ops.dropout(ones, 0.3, far))
+
+
 @pytest.mark.parametrize("p", [0.05, 0.1, 0.5])
 def test_the_keep_rate_is_one_minus_p_within_five_sigma(p):
     n = 1 << 20
@@ -75,8 +88,9 @@ def test_bad_arguments_are_refused_by_every_kernel():
     for backend in (torch_ops, kernels.library.OPS):
         with pytest.raises((ValueError, RuntimeError), match="dropout: p must be in \\[0, 1\\)"):
             backend.dropout(x, 1.0, torch.tensor([1]))
-        with pytest.raises((ValueError, RuntimeError), match="dropout: seed must be one int64 value"):
-            backend.dropout(x, 0.5, torch.tensor([1.0]))
+        for seed in (torch.tensor([1.0]), torch.tensor([1, 2, 3])):
+            with pytest.raises((ValueError, RuntimeError), match="dropout: seed must be one or two int64 values"):
+                backend.dropout(x, 0.5, seed)
 
 
 # -- the op ---------------------------------------------------------------------------------
@@ -93,9 +107,15 @@ def test_the_gradient_is_stocks_given_the_mask_on_every_backend(kernel_backend, 
 
 
 def test_a_forward_saves_its_seed_alone():
+    """On the CPU the seed is two integers kept by the C++ function (no tensor); the Python function, which runs on
+    Triton and under torch.compile, saves one int64."""
     x = torch.randn(64, 128, requires_grad=True)
+    assert kernels.backend("cpu") == "cpp"
     with SavedTensorMeter() as meter:
-        seeded_dropout(x, 0.1)
+        y = seeded_dropout(x, 0.1)
+    assert meter.total_bytes == 0 and y.grad_fn.name().startswith("torch::autograd::CppNode")
+    with SavedTensorMeter() as meter:
+        seeded_dropout(x, 0.1, seed=torch.tensor([5]))
     assert meter.total_bytes == 8  # one int64
     with SavedTensorMeter() as meter:
         F.dropout(x, 0.1)

@@ -312,9 +312,10 @@ def test_ops_run_the_backend_chosen_for_their_device(monkeypatch):
     assert kernels.implementation(cpu) is library.OPS  # a refused choice changes nothing
 
 
-def test_triton_runs_cuda_tensors_by_default_and_cpu_tensors_only_interpreted(monkeypatch):
-    """CUDA tensors: Triton first, the CUDA extension where Triton cannot run (or when forced); no GPU here,
-    so one is faked, with a compiled (not interpreted) Triton."""
+def test_cuda_tensors_run_the_cuda_extension_by_default_and_triton_where_it_cannot_be_built(monkeypatch):
+    """CUDA tensors: the CUDA extension first (autograd in C++, one path with the CPU's), Triton where no CUDA build
+    can be had (or when forced), and CPU tensors on Triton only interpreted; no GPU here, so one is faked, with a
+    compiled (not interpreted) Triton."""
     triton_ops = kernels._triton_module()
     if isinstance(triton_ops, ImportError):
         pytest.skip(f"no triton: {triton_ops}")
@@ -322,22 +323,27 @@ def test_triton_runs_cuda_tensors_by_default_and_cpu_tensors_only_interpreted(mo
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     capability = [(9, 0)]
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability[0])
-    monkeypatch.setattr(build, "load", lambda kind: torch_ops)  # "the extension built"
+    built = [True]
+    monkeypatch.setattr(build, "load", lambda kind: torch_ops if built[0] else build.BuildError("no nvcc"))
     monkeypatch.delenv(kernels.ENV_VAR, raising=False)
+    assert kernels.backend("cuda") == "cuda" and kernels.implementation(torch.device("cuda")) is library.OPS
+    assert kernels.cross_entropy_implementation(torch.device("cuda")) is library.triton_operators(triton_ops)
+    assert kernels.backend("cpu") == "cpp"
+    built[0] = False
+    kernels._choose.cache_clear()  # another process, where nvcc is missing
+    assert kernels.backend("cuda") == "triton"
     operators = kernels.implementation(torch.device("cuda"))  # the Triton kernels as operators, seen by a trace
-    assert kernels.backend("cuda") == "triton" and operators is library.triton_operators(triton_ops)
+    assert operators is library.triton_operators(triton_ops)
     for name in library.SCHEMAS.keys() - {"stock_activation"}:  # the same operators, in a namespace of their own
         schema = str(getattr(library.OPS, name).default._schema).replace("lowmem::", "lowmem_triton::")
         assert str(getattr(operators, name).default._schema) == schema
-    assert kernels.backend("cpu") == "cpp"
-    monkeypatch.setenv(kernels.ENV_VAR, "cuda")
-    assert kernels.backend("cuda") == "cuda" and kernels.backend("cpu") == "cpp"
-    monkeypatch.setenv(kernels.ENV_VAR, "cpp")
+    built[0] = True
+    monkeypatch.setenv(kernels.ENV_VAR, "triton")
     assert kernels.backend("cuda") == "triton"
+    monkeypatch.setenv(kernels.ENV_VAR, "cpp")
+    assert kernels.backend("cuda") == "cuda"
     capability[0] = (7, 5)
     kernels._choose.cache_clear()  # a process sees one GPU: this one is another
-    monkeypatch.delenv(kernels.ENV_VAR)
-    assert kernels.backend("cuda") == "cuda"
     monkeypatch.setenv(kernels.ENV_VAR, "triton")
     with pytest.raises(RuntimeError, match="=triton was requested.*compute capability 7.5, Triton needs 8.0"):
         kernels.backend("cuda")

@@ -5,9 +5,9 @@ always available), ``"cpp"`` (compiled CPU kernels), ``"cuda"`` (compiled GPU ke
 JIT-built from ``csrc/`` on first use (see :mod:`.build`) and run as the ``torch.ops.lowmem``
 operators (see :mod:`.library`), and ``"triton"`` (GPU kernels that Triton, shipped with torch,
 compiles at run time: no CUDA toolkit needed, see :mod:`.triton_ops`).
-By default CPU tensors run ``"cpp"`` and CUDA tensors ``"triton"`` (``"cuda"`` where Triton is
-missing or the GPU older than compute capability 8.0); when nothing compiled can run, a warning
-says why (once) and the pure-PyTorch path runs. ``LIGHTNING_LOWMEM_BACKEND`` forces one:
+By default CPU tensors run ``"cpp"`` and CUDA tensors ``"cuda"`` (one path on every device: the compiled
+kernels with their autograd in C++, launched as ATen launches its own; ``"triton"`` where no CUDA build can be
+had, e.g. no nvcc); when nothing compiled can run, a warning says why (once) and the pure-PyTorch path runs. ``LIGHTNING_LOWMEM_BACKEND`` forces one:
 ``torch`` everywhere; ``cpp`` for CPU tensors and ``cuda`` for CUDA tensors (each leaves the
 other device on its default); ``triton`` for CUDA tensors and, only under ``TRITON_INTERPRET=1``
 (Triton's interpreter: the test mode), CPU tensors. A forced backend that cannot run is an error,
@@ -92,7 +92,7 @@ def _candidates(device_type: str, forced: str | None) -> tuple[str, ...]:
     if device_type == "cpu":
         return ("triton",) if forced == "triton" else ("cpp",)
     if device_type == "cuda":
-        return (forced,) if forced in ("triton", "cuda") else ("triton", "cuda")
+        return (forced,) if forced in ("triton", "cuda") else ("cuda", "triton")
     return ()
 
 

@@ -126,10 +126,12 @@ class KernelContract(Protocol):
 
     def dropout(self, x: torch.Tensor, p: float, seed: torch.Tensor) -> torch.Tensor:
         """``x * keep / (1 - p)`` (``0 <= p < 1``) in the accumulate dtype, returned contiguous in ``x``'s dtype:
-        element ``i`` (row-major) is kept when word ``i % 4`` of the Philox4x32-10 block of counter ``i // 4``
-        under key ``seed`` (one int64 on ``x``'s device) is at least ``round(p * 2^32)`` (``csrc/lowmem_math.h``:
-        ATen's and Triton's Philox, so every backend draws the same mask). A backward applies the forward's mask
-        by calling it on the gradient with the same seed: nothing but the seed is saved."""
+        element ``i`` (row-major) is kept when word ``i % 4`` of the Philox4x32-10 block of counter ``first + i // 4``
+        under key ``key`` is at least ``round(p * 2^32)`` (``csrc/lowmem_math.h``: ATen's and Triton's Philox, so
+        every backend draws the same mask). ``seed``: int64 ``[key]`` (``first`` 0) or ``[key, first]`` on ``x``'s
+        device (the C++ autograd draws a GPU's key and counters from its generator, as ATen's dropout does). A
+        backward applies the forward's mask by calling it on the gradient with the same seed: nothing but the seed
+        is saved."""
 
     def cross_entropy_grad_(
         self,

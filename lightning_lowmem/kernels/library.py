@@ -19,12 +19,13 @@ Triton is first chosen, :func:`triton_operators`): so torch.compile sees every T
 with the same fake kernel, never the Python of its launcher.
 
 These operators have no autograd formula of their own: the autograd functions of
-:mod:`lightning_lowmem.ops` call them in their forward and backward. Three more, ``ms_norm``,
-``affine_linear`` and ``step_activation`` (:data:`AUTOGRAD_SCHEMAS`), are those autograd functions
-in C++ (``csrc/lowmem_autograd.cpp``, registered for the extension's Autograd key): the ops layer
+:mod:`lightning_lowmem.ops` call them in their forward and backward. Four more, ``ms_norm``,
+``affine_linear``, ``seeded_dropout`` and ``step_activation`` (:data:`AUTOGRAD_SCHEMAS`), are those autograd
+functions in C++ (``csrc/lowmem_autograd.cpp``, registered for the extension's Autograd key): the ops layer
 calls them in eager mode where a compiled extension serves the device, so that no Python runs per
-call in forward or backward. They have no other kernel: torch.compile, Triton and the pure-PyTorch
-backend use the Python functions.
+call in forward or backward, and their dropouts draw their seeds from the device's generator in C++, as ATen's
+dropout does (no seed tensor drawn by an operator of its own). They have no other kernel: torch.compile, Triton
+and the pure-PyTorch backend use the Python functions.
 """
 
 from __future__ import annotations
@@ -79,9 +80,10 @@ AUTOGRAD_SCHEMAS = {
         " ScalarType out_dtype, float offset, str name) -> (Tensor, Tensor)"
     ),
     "affine_linear": (
-        "(Tensor x, Tensor? z, Tensor weight, Tensor? bias, Tensor? gamma, Tensor? beta, ScalarType dtype, float offset)"
-        " -> Tensor"
+        "(Tensor x, Tensor? z, Tensor weight, Tensor? bias, Tensor? gamma, Tensor? beta, ScalarType dtype, float offset,"
+        " float p, Tensor? dropped) -> Tensor"
     ),
+    "seeded_dropout": "(Tensor x, float p) -> (Tensor, Tensor)",
     "step_activation": "(Tensor x, str kind, float[] thresholds, float[] levels, str name) -> Tensor",
 }
 

@@ -306,14 +306,18 @@ def dropout_threshold(p: float) -> int:
 def check_dropout(x: torch.Tensor, p: float, seed: torch.Tensor) -> None:
     if not 0.0 <= p < 1.0:
         raise ValueError(f"dropout: p must be in [0, 1), got {p}")
-    if seed.dtype != torch.int64 or seed.numel() != 1 or seed.device != x.device:
-        raise ValueError(f"dropout: seed must be one int64 value on {x.device}, got {seed.numel()} of {seed.dtype}")
+    if seed.dtype != torch.int64 or seed.numel() not in (1, 2) or seed.device != x.device or not seed.is_contiguous():
+        raise ValueError(
+            f"dropout: seed must be one or two int64 values (a key, and a first counter) on {x.device}, got "
+            f"{seed.numel()} of {seed.dtype}"
+        )
 
 
 def dropout(x: torch.Tensor, p: float, seed: torch.Tensor) -> torch.Tensor:
     check_dropout(x, p, seed)
-    counters = torch.arange((x.numel() + 3) // 4, dtype=torch.int64, device=x.device)
-    keep = philox(int(seed.item()), counters).view(-1)[: x.numel()].view(x.shape) >= dropout_threshold(p)
+    key, first = (*seed.tolist(), 0)[:2]
+    counters = torch.arange(first, first + (x.numel() + 3) // 4, dtype=torch.int64, device=x.device)
+    keep = philox(key, counters).view(-1)[: x.numel()].view(x.shape) >= dropout_threshold(p)
     acc = accumulate_dtype(x.dtype)
     kept = x.contiguous().to(acc) * (1.0 / (1.0 - p))
     return torch.where(keep, kept, torch.zeros((), dtype=acc, device=x.device)).to(x.dtype)

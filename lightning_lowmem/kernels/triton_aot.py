@@ -81,6 +81,7 @@ def launch_every_choice(ops: Any, device: torch.device | str = "cpu") -> None:
                 ops.gated_backward(x, x, x, kind, act)
         for p in (0.1, 0.5):  # the threshold an int32, then an int64
             ops.dropout(x, p, seed)
+        ops.dropout(x, 0.1, torch.tensor([1, 2**40], device=device))  # a key and a first counter
         for dim in sorted({triton_ops.norm_settings(n)[0] for n in lengths}):
             rows, rstd = tensor(2, dim, dtype=dtype), tensor(2, like=1.0)
             for center in (True, False):

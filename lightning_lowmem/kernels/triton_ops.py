@@ -192,16 +192,18 @@ def _keep_scaled(x_ptr, out_ptr, index, numel, word, threshold, scale):
 
 
 @triton.jit
-def _dropout_kernel(x_ptr, seed_ptr, out_ptr, numel, threshold, scale, BLOCK: tl.constexpr):
-    # BLOCK Philox counters, four elements each: element 4c + k keeps word k of counter c (csrc/lowmem_math.h)
-    counter = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+def _dropout_kernel(x_ptr, seed_ptr, out_ptr, numel, threshold, scale, BLOCK: tl.constexpr, FIRST: tl.constexpr):
+    # BLOCK Philox counters, four elements each: element 4c + k keeps word k of counter first + c, first the seed's
+    # second word where it has one (FIRST), else 0 (csrc/lowmem_math.h)
+    index = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    counter = index + tl.load(seed_ptr + 1) if FIRST else index
     zero = tl.zeros((BLOCK,), dtype=tl.uint32)
     w0, w1, w2, w3 = tl.philox(tl.load(seed_ptr), (counter & 0xFFFFFFFF).to(tl.uint32), (counter >> 32).to(tl.uint32),
                                zero, zero)  # fmt: skip
-    _keep_scaled(x_ptr, out_ptr, 4 * counter, numel, w0, threshold, scale)
-    _keep_scaled(x_ptr, out_ptr, 4 * counter + 1, numel, w1, threshold, scale)
-    _keep_scaled(x_ptr, out_ptr, 4 * counter + 2, numel, w2, threshold, scale)
-    _keep_scaled(x_ptr, out_ptr, 4 * counter + 3, numel, w3, threshold, scale)
+    _keep_scaled(x_ptr, out_ptr, 4 * index, numel, w0, threshold, scale)
+    _keep_scaled(x_ptr, out_ptr, 4 * index + 1, numel, w1, threshold, scale)
+    _keep_scaled(x_ptr, out_ptr, 4 * index + 2, numel, w2, threshold, scale)
+    _keep_scaled(x_ptr, out_ptr, 4 * index + 3, numel, w3, threshold, scale)
 
 
 @triton.jit
@@ -463,7 +465,8 @@ def dropout(x: torch.Tensor, p: float, seed: torch.Tensor) -> torch.Tensor:
     counters = (x.numel() + 3) // 4
     with _launching_on("dropout", x):
         _dropout_kernel[(triton.cdiv(counters, ELEMENTS_PER_PROGRAM // 4),)](
-            x, seed, out, x.numel(), torch_ops.dropout_threshold(p), 1.0 / (1.0 - p), BLOCK=ELEMENTS_PER_PROGRAM // 4
+            x, seed, out, x.numel(), torch_ops.dropout_threshold(p), 1.0 / (1.0 - p), BLOCK=ELEMENTS_PER_PROGRAM // 4,
+            FIRST=seed.numel() > 1,
         )
     return out
 

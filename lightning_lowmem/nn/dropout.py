@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from lightning_lowmem.nn.norm import is_norm_output, tag_dropped
-from lightning_lowmem.ops.dropout import draw_seed, seeded_dropout
+from lightning_lowmem.ops.dropout import dropout_and_seed, seeded_dropout
 
 
 class SeededDropout(nn.Dropout):
@@ -36,8 +36,8 @@ class SeededDropout(nn.Dropout):
         if not (self.training and 0 < self.p < 1 and not self.inplace and is_norm_output(x)):
             return seeded_dropout(x, self.p, self.training, self.inplace)
         # a memory-sharing norm's output: its consumers may save the norm's z and this seed, not our output
-        seed = draw_seed(x.device)
-        return tag_dropped(seeded_dropout(x, self.p, seed=seed), x, self.p, seed)
+        y, seed = dropout_and_seed(x, self.p)
+        return tag_dropped(y, x, self.p, seed)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + ", saves=seed"

@@ -57,7 +57,8 @@ class AffineLinearFunction(torch.autograd.Function):
     adapter's dropout, folded in), or already (``x`` a seeded dropout of the norm's output, ``z`` the norm's);
     either way it saves what it saves without a dropout, plus the seed, and regenerates the dropped input for
     its weight gradient.
-    ``lowmem::affine_linear`` is this function without dropout in C++ (the eager path of the compiled backends)."""
+    ``lowmem::affine_linear`` is this function in C++ (the eager path of the compiled backends), which draws its
+    seed from the device's generator itself."""
 
     @staticmethod
     def forward(ctx, x, z, weight, bias, gamma, beta, dtype: torch.dtype, offset: float, p: float, seed, applies: bool):
@@ -136,12 +137,10 @@ def affine_linear(
     same, plus a seed (:mod:`.dropout`); ``dropped``: ``(p, seed)`` of the seeded dropout that made ``x`` from
     the norm's output, to save ``z`` and the seed for ``x``."""
     args = (x, z, weight, bias, gamma, beta, dtype or weight.dtype, float(offset))
+    if kernels.autograd_in_cpp(x):  # the C++ function draws a dropout's seed itself, as ATen's dropout does
+        return library.OPS.affine_linear.default(*args, *(dropped or (float(dropout), None)))
     if dropout:
         return AffineLinearFunction.apply(*args, dropout, draw_seed(x.device), True)
     if dropped is not None:
         return AffineLinearFunction.apply(*args, *dropped, False)
-    return (
-        library.OPS.affine_linear.default(*args)
-        if kernels.autograd_in_cpp(x)
-        else AffineLinearFunction.apply(*args, 0.0, None, False)
-    )
+    return AffineLinearFunction.apply(*args, 0.0, None, False)

@@ -3,7 +3,10 @@
 Stock dropout keeps its mask for backward (a bool per element on CUDA, an fp32 noise tensor on CPU). Here the
 forward draws a seed from the device's default generator, the kernels draw the mask from it with a
 counter-based generator (Philox, :meth:`~lightning_lowmem.kernels.contract.KernelContract.dropout`), and the
-backward applies the same mask to the gradient from the seed alone. Because the seed comes from torch's
+backward applies the same mask to the gradient from the seed alone. Where a compiled extension serves the device
+the seed is drawn in C++ (``lowmem::seeded_dropout``, ``lowmem::affine_linear``): a key from the CPU's generator,
+or a GPU's key and counters from its Philox state, as ATen's dropout takes them (no operator, no launch), kept as
+two integers on the CPU. Because the seed comes from torch's
 generator, ``torch.manual_seed``, Lightning's per-rank seeding and activation checkpointing (which replays the
 generator's state before its recompute) govern the masks as they govern stock dropout's.
 """
@@ -13,13 +16,15 @@ from __future__ import annotations
 import torch
 
 from lightning_lowmem import kernels
+from lightning_lowmem.kernels import library
 from lightning_lowmem.ops._checks import check_float_tensor, needs_graph, refuse_double_backward
 
 SEED_RANGE = 2**62
 
 
 def draw_seed(device: torch.device) -> torch.Tensor:
-    """A seed (one int64 on ``device``) from the device's default generator: no host synchronisation on a GPU."""
+    """A seed (one int64 on ``device``) from the device's default generator: no host synchronisation on a GPU. (The
+    C++ autograd functions draw theirs in C++, with no operator of its own: :func:`dropout_and_seed`.)"""
     return torch.randint(SEED_RANGE, (1,), device=device)
 
 
@@ -46,21 +51,30 @@ def check_probability(op: str, p: object) -> float:
     return float(p)
 
 
+def dropout_and_seed(x: torch.Tensor, p: float, seed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A training dropout of ``x`` (``0 < p < 1``) and the seed of its mask: ``seed``, else one drawn from the device's
+    generator (in C++ by ``lowmem::seeded_dropout`` where a compiled extension serves the device, else
+    :func:`draw_seed`)."""
+    if seed is None and kernels.autograd_in_cpp(x):
+        y, seed = library.OPS.seeded_dropout.default(x, p)
+        return y, seed
+    seed = draw_seed(x.device) if seed is None else seed
+    if needs_graph(x):
+        return SeededDropoutFunction.apply(x, p, seed), seed
+    return kernels.implementation(x.device).dropout(x, p, seed), seed
+
+
 def seeded_dropout(
     x: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False, seed: torch.Tensor | None = None
 ) -> torch.Tensor:
     """``F.dropout(x, p, training, inplace)`` that saves only a seed for backward: Bernoulli(1 - p) masks scaled by
     ``1 / (1 - p)``; ``x`` itself in evaluation or at ``p = 0``, zeros at ``p = 1``, as stock. ``seed``: the one
-    to draw the mask from (default: a fresh one from torch's generator, :func:`draw_seed`)."""
+    to draw the mask from (default: a fresh one from the device's generator, :func:`dropout_and_seed`)."""
     check_float_tensor("seeded_dropout", x)
     p = check_probability("seeded_dropout", p)
     if not training or p == 0.0:
         return x
     if p == 1.0:
         return x.mul_(0.0) if inplace else x * 0.0
-    seed = draw_seed(x.device) if seed is None else seed
-    if needs_graph(x):
-        y = SeededDropoutFunction.apply(x, p, seed)
-    else:
-        y = kernels.implementation(x.device).dropout(x, p, seed)
+    y, _ = dropout_and_seed(x, p, seed)
     return x.copy_(y) if inplace else y

@@ -83,7 +83,7 @@ def gated_activation(
         raise ValueError(
             f"gated_activation: gate {tuple(gate.shape)} and up {tuple(up.shape)} must have the same shape"
         )
-    dtype = torch.promote_types(gate.dtype, up.dtype)
+    dtype = gate.dtype if gate.dtype == up.dtype else torch.promote_types(gate.dtype, up.dtype)  # no op when alike
     gate, up = gate.to(dtype), up.to(dtype)
     if not (needs_graph(gate) or needs_graph(up)):
         return kernels.torch_ops.stock_activation(gate, kind) * up
