@@ -155,8 +155,8 @@ def test_dropouts_match_on_the_seeds_the_cpp_functions_draw(frozen_norm, dtype, 
     runs = {}
     for path in PATHS:
         drawn = iter(seeds)
-        monkeypatch.setattr(affine, "draw_seed", lambda device: next(drawn))
-        monkeypatch.setattr(dropout, "draw_seed", lambda device: next(drawn))
+        monkeypatch.setattr(affine, "draw_seed", lambda device, drawn=drawn: next(drawn))
+        monkeypatch.setattr(dropout, "draw_seed", lambda device, drawn=drawn: next(drawn))
         module.zero_grad(set_to_none=True)
         torch.manual_seed(0)
         out, grads, names, rec = run(path, monkeypatch, recorder, forward, x.requires_grad_())

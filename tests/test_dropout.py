@@ -54,7 +54,9 @@ def test_a_seeds_first_counter_continues_its_keys_stream(kernel_backend):
     key = torch.tensor([2**40 + 5], device=kernel_backend.device)
     whole = kernel_backend.module.dropout(ones, 0.3, key)
     for first in (1, 256):
-        part = kernel_backend.module.dropout(ones[4 * first :], 0.3, torch.tensor([2**40 + 5, first], device=key.device))
+        part = kernel_backend.module.dropout(
+            ones[4 * first :], 0.3, torch.tensor([2**40 + 5, first], device=key.device)
+        )
         assert torch.equal(part, whole[4 * first :])
     far = torch.tensor([7, 2**40 + 1], device=key.device)
     torch.testing.assert_close(kernel_backend.module.dropout(ones, 0.3, far), torch_ops.dropout(ones, 0.3, far))

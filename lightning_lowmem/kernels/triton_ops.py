@@ -465,7 +465,13 @@ def dropout(x: torch.Tensor, p: float, seed: torch.Tensor) -> torch.Tensor:
     counters = (x.numel() + 3) // 4
     with _launching_on("dropout", x):
         _dropout_kernel[(triton.cdiv(counters, ELEMENTS_PER_PROGRAM // 4),)](
-            x, seed, out, x.numel(), torch_ops.dropout_threshold(p), 1.0 / (1.0 - p), BLOCK=ELEMENTS_PER_PROGRAM // 4,
+            x,
+            seed,
+            out,
+            x.numel(),
+            torch_ops.dropout_threshold(p),
+            1.0 / (1.0 - p),
+            BLOCK=ELEMENTS_PER_PROGRAM // 4,
             FIRST=seed.numel() > 1,
         )
     return out
