@@ -64,19 +64,23 @@ def models() -> dict[str, tuple[nn.Module, object]]:
 
 
 @pytest.mark.slow
-def test_the_cuda_library_builds_where_no_gpu_is_and_registers_every_kernel_for_cuda(tmp_path, monkeypatch):
-    """nvcc builds the CUDA extension for a named arch without a GPU; loaded in a fresh process, it registers every
-    operator the CPU extension registers for CPU under the CUDA key (but the CPU-only ones), and nothing for CPU."""
+def test_the_cuda_library_builds_where_no_gpu_is_and_registers_every_kernel_for_cuda():
+    """``python -m lightning_lowmem.kernels build --cuda`` builds the CUDA extension for a named arch without a GPU;
+    loaded in a fresh process, it registers every operator the CPU extension registers for CPU under the CUDA key
+    (but the CPU-only ones), its autograd functions under AutogradCUDA, and nothing for the CPU."""
     from torch.utils import cpp_extension
 
     if torch.version.cuda is None or cpp_extension.CUDA_HOME is None or build.cuda_runtime_dir() is None:
         pytest.skip("needs nvcc, the CUDA runtime library and a CUDA build of torch")
-    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0")  # one arch: a minute on two cores
-    path = build.build("cuda")
+    env = {**os.environ, "TORCH_CUDA_ARCH_LIST": "9.0"}  # one arch: a minute on two cores
+    command = [sys.executable, "-m", "lightning_lowmem.kernels", "build", "--cuda"]
+    built = subprocess.run(command, check=False, capture_output=True, text=True, cwd=ROOT, env=env, timeout=900)
+    assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
+    (path,) = [line.split("built ", 1)[1] for line in built.stdout.splitlines() if line.startswith("cuda: built ")]
     script = f"""
         import json, torch
         from lightning_lowmem.kernels import library
-        torch.ops.load_library({str(path)!r})
+        torch.ops.load_library({path!r})
         names = [*library.SCHEMAS, *library.AUTOGRAD_SCHEMAS]
         keys = ("CPU", "CUDA", "AutogradCPU", "AutogradCUDA")
         print(json.dumps({{name: [key for key in keys if torch._C._dispatch_has_kernel_for_dispatch_key(

@@ -6,10 +6,12 @@
     python -m benchmarks.gpu --smoke --out DIR # tiny shapes on the CPU (Triton interpreted): rehearses the script
 
 Stages, in order (``--stages`` picks some; each runs whatever the one before did, a failure is written and the run
-goes on): ``environment`` (device, driver, torch, Triton, CUDA), ``tests`` (``pytest -m gpu``), ``kernels`` (every
-ahead-of-time Triton configuration and the CUDA C++ extension against the reference, :mod:`.kernel_check`),
-``models`` and ``compile`` (:mod:`.models`), ``long_context`` (:mod:`.long_context`), ``ops`` (op timings against
-Liger Kernel, :mod:`.ops`; not in ``--short``). Each stage writes ``NN-<stage>.md`` into the output folder as it
+goes on): ``environment`` (device, driver, torch, Triton, CUDA), ``tests`` (``pytest -m gpu``: both backends),
+``kernels`` (every ahead-of-time Triton configuration and the CUDA C++ extension against the reference,
+:mod:`.kernel_check`), ``overhead`` (host microseconds per op call, ours against ATen's, on both backends,
+:mod:`.overhead`), ``models`` (eager, under CUDA graphs, and ``torch.compile``, :mod:`.models`), ``long_context``
+(:mod:`.long_context`: a 24 GiB budget, 2 minutes of search in ``--short``), ``ops`` (op timings against Liger
+Kernel, :mod:`.ops`; not in ``--short``). Each stage writes ``NN-<stage>.md`` into the output folder as it
 goes (a killed run keeps what it had) and ``progress.log`` says where it is: no other file, since the device returns
 at most ``FILES_RETURNED`` files from its output folder. The C++ and CUDA extensions build in the background from the
 start (nvcc takes about a minute), while the first stages use the GPU.
@@ -44,7 +46,7 @@ from benchmarks.gpu.ops import forced_backend, usable_backends
 __all__ = ["forced_backend", "main", "usable_backends"]
 
 PACKAGES = ("lightning", "transformers", "peft", "timm", "bitsandbytes", "liger-kernel", "ninja")  # what stages need
-STAGES = ("environment", "tests", "kernels", "models", "compile", "long_context", "ops")
+STAGES = ("environment", "tests", "kernels", "overhead", "models", "long_context", "ops")
 SHORT = STAGES[:-1]
 FILES_RETURNED = 8  # the most files the device returns from $OUT: one per stage and progress.log
 LONG_CONTEXT_SECONDS = 120  # the --short search's share of the 8 minutes: the interval found by then
@@ -153,17 +155,24 @@ def prebuild(run: Run) -> tuple[subprocess.Popen, IO[bytes]]:
     return subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT), log
 
 
+def overhead(run: Run, emit: Callable[[str], None]) -> str:
+    from benchmarks.gpu.overhead import measure_overhead
+
+    return measure_overhead(run.device)
+
+
 def models(run: Run, emit: Callable[[str], None]) -> str:
-    from benchmarks.gpu.models import SETTINGS, measure_models
+    """The models eager and under CUDA graphs, then ``torch.compile`` (one file: the device returns at most 8)."""
+    from benchmarks.gpu.models import SETTINGS, measure_compile, measure_models
     from benchmarks.gpu.models import SHORT as SHORT_SETTINGS
 
-    return measure_models(run.device, SHORT_SETTINGS if run.short else SETTINGS, run.rounds, run.smoke)
-
-
-def compiled(run: Run, emit: Callable[[str], None]) -> str:
-    from benchmarks.gpu.models import measure_compile
-
-    return measure_compile(run.device, run.rounds, run.smoke)
+    text = measure_models(run.device, SHORT_SETTINGS if run.short else SETTINGS, run.rounds, run.smoke)
+    emit(text)
+    try:
+        compiled = measure_compile(run.device, run.rounds, run.smoke)
+    except Exception:  # noqa: BLE001 - written down: the models' table stands
+        compiled = "FAILED\n\n```\n" + traceback.format_exc() + "```"
+    return f"{text}\n\n### `torch.compile` on the GPU\n\n{compiled}"
 
 
 def long_context(run: Run, emit: Callable[[str], None]) -> str:
@@ -179,12 +188,13 @@ def ops(run: Run, emit: Callable[[str], None]) -> str:
 
 
 RUNNERS = {
-    "environment": environment, "tests": tests, "kernels": kernels, "models": models, "compile": compiled,
+    "environment": environment, "tests": tests, "kernels": kernels, "overhead": overhead, "models": models,
     "long_context": long_context, "ops": ops,
 }  # fmt: skip
 TITLES = {
     "environment": "Environment", "tests": "GPU-marked tests", "kernels": "Kernels against the reference",
-    "models": "Training steps at real dims, stock vs converted", "compile": "`torch.compile` on the GPU",
+    "overhead": "Host time per op call, stock vs ours",
+    "models": "Training steps at real dims, stock vs converted (eager, CUDA graphs, compiled)",
     "long_context": "The longest sequence, predicted and found", "ops": "Ops, forward + backward",
 }  # fmt: skip
 
