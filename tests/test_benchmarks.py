@@ -24,6 +24,7 @@ SMOKE = {
     "cross_entropy.py": ["--smoke"],
     "long_context.py": ["--smoke"],
     "long_context.py --timing": ["--timing", "--smoke"],
+    "launches.py": ["--smoke"],
 }
 
 

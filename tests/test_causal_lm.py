@@ -146,7 +146,7 @@ def test_a_lora_adapted_head_is_fused_with_peft_semantics(dropout):
 
 def test_a_converted_model_pickles_converts_once_and_rolls_back():
     model = zoo.llama()
-    inputs = batch(zoo.VOCAB)
+    inputs = batch(zoo.VOCAB, tokens=64)  # enough rows that the fused head saves (its weight-sized sums: 32 KiB)
     apply_lowmem(model, example_input=inputs)
     twin = pickle.loads(pickle.dumps(model))
     assert fused_loss_of(twin) is not None and fused_loss_of(twin).model is twin
@@ -206,12 +206,27 @@ def test_a_head_that_costs_is_rolled_back_alone():
     inputs = batch(zoo.VOCAB, rows=1, tokens=4)
     report = apply_lowmem(model, example_input=inputs)
     head = next(e for e in report.entries if e.kind == "head")
-    assert head.status == "left alone" and "without the head conversions it saves" in head.detail
+    assert head.status == "left alone" and "with the head conversions" in head.detail and "without them" in head.detail
     assert fused_loss_of(model) is None and "forward" not in model.lm_head.__dict__
     kept = {e.kind for e in report.converted}
     assert {"gated MLP", "norm"} <= kept and report.saved_bytes_after < report.saved_bytes_before
     assert any(type(m).__name__ == "MSRMSNorm" for m in model.modules())
     assert_same_step(step(stock, inputs), step(model, inputs))
+
+
+def test_a_head_that_costs_is_rolled_back_where_the_model_saves_overall():
+    """Never worse, kind by kind: a LLaMA whose vocabulary (128) is below its hidden size (256) saves far less than
+    stock converted, but its fused head saves more than stock's logits would: the head alone is rolled back, with
+    the reason, and the model keeps what it keeps with ``head=False``."""
+    torch.manual_seed(0)
+    stock = zoo.llama(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=4)
+    inputs = batch(zoo.VOCAB, rows=2, tokens=64)
+    report = apply_lowmem(copy.deepcopy(stock), example_input=inputs)
+    without_head = apply_lowmem(copy.deepcopy(stock), example_input=inputs, head=False)
+    head = next(e for e in report.entries if e.kind == "head")
+    assert head.status == "left alone" and "with the head conversions" in head.detail, head.detail
+    assert report.saved_bytes_after == without_head.saved_bytes_after < report.saved_bytes_before
+    assert {"gated MLP", "norm"} <= {e.kind for e in report.converted}
 
 
 def test_a_fully_masked_micro_batch_leaves_the_accumulated_gradients_stocks():
@@ -220,7 +235,7 @@ def test_a_fully_masked_micro_batch_leaves_the_accumulated_gradients_stocks():
     the accumulated gradients are the first micro-batch's, finite, as stock's (they were NaN in all parameters)."""
     stock = zoo.llama()
     model = copy.deepcopy(stock)
-    first, masked = batch(zoo.VOCAB), batch(zoo.VOCAB)
+    first, masked = batch(zoo.VOCAB, tokens=64), batch(zoo.VOCAB, tokens=64)
     masked["labels"][:] = -100
     apply_lowmem(model, example_input=first)
     assert fused_loss_of(model) is not None

@@ -321,29 +321,36 @@ def make_plan(model: nn.Module, found: Candidates, flow: Flow, options: Options)
     return plan
 
 
-def _keep_what_saves(model: nn.Module, example: Any, plan: Plan, surgery: Surgery, report: LowMemReport) -> Surgery:
-    """The converted model saves more than the stock one: roll back the separable families whose changes cost
-    (each measured without them), keeping the rest when that is enough, else everything. Returns the surgery in
-    force."""
+def _drop_what_costs(model: nn.Module, example: Any, plan: Plan, surgery: Surgery, report: LowMemReport) -> Surgery:
+    """Never worse, kind by kind: the converted model is measured without each separable family's changes, and every
+    family without which it saves less is rolled back, with the two figures in its entries; if what remains still
+    saves more than the stock model, everything is. Returns the surgery in force."""
     separable = [f.kind for f in FAMILIES if f.separable and f.kind in plan.kinds]
-    costly: list[str] = []
+    costly: dict[str, int] = {}
     try:
         for kind in separable:
             surgery.rollback()
             surgery = plan.apply(model, frozenset({kind}))
-            if measure_saved(model, example).total_bytes < report.saved_bytes_after:
-                costly.append(kind)
-        surgery.rollback()
-        if costly and set(plan.kinds) - set(costly):
+            without = measure_saved(model, example).total_bytes
+            if without < report.saved_bytes_after:
+                costly[kind] = without
+        if separable:
+            surgery.rollback()
             surgery = plan.apply(model, frozenset(costly))
+        if costly:
             meter = measure_saved(model, example)
-            if meter.total_bytes <= report.saved_bytes_before:
+            kept = set(plan.kinds) - set(costly)
+            if meter.total_bytes < report.saved_bytes_after and meter.total_bytes <= report.saved_bytes_before and kept:
                 report.roll_back(meter, costly)
                 return surgery
-            surgery.rollback()
+            surgery.rollback()  # together they did not cost: the whole plan
+            surgery = plan.apply(model)
     except BaseException:
         surgery.rollback()
         raise
+    if report.saved_bytes_after <= report.saved_bytes_before:
+        return surgery
+    surgery.rollback()
     report.roll_back()
     return Surgery(model)
 
@@ -367,8 +374,7 @@ def run(report: LowMemReport, model: nn.Module, options: Options, example: Any) 
             verify(model, example, reference)
         if report.saved_bytes_before is not None:
             report.record(measure_saved(model, example), converted=True)
-            if report.saved_bytes_after > report.saved_bytes_before:  # never worse than stock
-                surgery = _keep_what_saves(model, example, decided, surgery, report)
+            surgery = _drop_what_costs(model, example, decided, surgery, report)  # never worse, kind by kind
         if options.budget_mib is not None:
             report.budget = fit_budget(
                 model, example, options.budget_mib, surgery, options.checkpoint, options.rungs, options.tile_tokens

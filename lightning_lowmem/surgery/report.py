@@ -65,18 +65,24 @@ class LowMemReport:
         setattr(self, f"weight_copy_bytes_{suffix}", meter.weight_copy_bytes)
         setattr(self, f"saved_by_module_{suffix}", meter.by_module)
 
-    def roll_back(self, meter: SavedTensorMeter | None = None, families: list[str] | None = None) -> None:
-        """The converted model saved more for backward than the stock one: every change was undone, or (given what
-        the rest saves, ``meter``) only the changes of ``families``."""
-        why = (
-            f"rolled back: the converted model saved {self.saved_bytes_after / MIB:.2f} MiB for backward, more "
-            f"than the stock model's {self.saved_bytes_before / MIB:.2f} MiB"
-        )
-        if families is not None:
-            why += f"; without the {', '.join(families)} conversions it saves {meter.total_bytes / MIB:.2f} MiB"
+    def roll_back(self, meter: SavedTensorMeter | None = None, families: dict[str, int] | None = None) -> None:
+        """Changes that cost were undone: every change (the converted model saved more for backward than the stock
+        one), or, given what the rest saves (``meter``), the changes of ``families`` (each: what the converted
+        model saved without it)."""
+        after, before = self.saved_bytes_after / MIB, self.saved_bytes_before / MIB
+        reasons = {
+            kind: f"rolled back: the converted model saves {after:.2f} MiB for backward with the {kind} conversions, "
+            f"{without / MIB:.2f} MiB without them"
+            for kind, without in (families or {}).items()
+        }
+        whole = f"rolled back: the converted model saved {after:.2f} MiB for backward, more than the stock model's "
+        whole += f"{before:.2f} MiB"
         undone = lambda e: e.status == "converted" and (families is None or e.family in families)
-        self.entries = [replace(e, status="left alone", detail=why) if undone(e) else e for e in self.entries]
-        self.notes.append(why)
+        self.entries = [
+            replace(e, status="left alone", detail=reasons.get(e.family, whole)) if undone(e) else e
+            for e in self.entries
+        ]
+        self.notes += list(reasons.values()) if families else [whole]
         if meter is not None:
             self.record(meter, converted=True)
             return
