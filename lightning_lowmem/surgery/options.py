@@ -51,11 +51,13 @@ class Options:
         copy is saved under autocast; ``False`` keeps them."""),
     ] = "auto"
     gated: Annotated[
-        Switch,
+        Switch | Literal["exact"],
         Doc("""
-        ``"auto"`` fuses ``act(gate) * up`` in every recognised gated MLP (exact; saves the gate, plus the up
-        projection only when the down projection does not save the product anyway); ``False`` leaves them,
-        and ``activation`` then converts their activation like any other."""),
+        ``"auto"`` fuses ``act(gate) * up`` in every recognised gated MLP (saves the gate, plus the up projection
+        only when the down projection does not save the product anyway: then ``up`` is recovered as
+        ``product / act(gate)``, exact to the product's rounding, and kept where ``act(gate)`` is 0 at up to one
+        element in 512); ``"exact"`` always saves gate and up (stock's gradients, one activation more);
+        ``False`` leaves them, and ``activation`` then converts their activation like any other."""),
     ] = "auto"
     dropout: Annotated[
         Switch,
@@ -141,7 +143,8 @@ class Options:
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)
         for name in SWITCHES:
-            set_(name, _switch(getattr(self, name), name))
+            if not (name == "gated" and self.gated == "exact"):
+                set_(name, _switch(getattr(self, name), name))
         for name in ("include", "exclude", "checkpoint"):
             set_(name, _patterns(getattr(self, name), name))
         set_("bits", check_bits("apply_lowmem", self.bits))
@@ -197,7 +200,8 @@ def _switch(value: object, name: str) -> bool:
         return True
     if value in (False, None, "off"):
         return False
-    raise ValueError(f"apply_lowmem: {name} must be 'auto', True, False or 'off', got {value!r}")
+    exact = " or 'exact'" if name == "gated" else ""
+    raise ValueError(f"apply_lowmem: {name} must be 'auto', True, False or 'off'{exact}, got {value!r}")
 
 
 def _patterns(value: object, name: str) -> tuple[str, ...]:

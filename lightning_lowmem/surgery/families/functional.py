@@ -90,14 +90,16 @@ def _product_with(call: _Call) -> tuple[fx.Node, fx.Node] | None:
     return (product, other) if activation else None  # a product with a parameter (a scale) is no gated one
 
 
-def _rewrite_call(graph: fx.Graph, call: _Call, gated: bool, bits: int | None, erased: set[fx.Node]) -> str | None:
-    """Replace ``call`` (fused with its product when ``gated``; alone when ``bits`` is set), adding the nodes it
-    removes to ``erased``; what changed, or None."""
+def _rewrite_call(
+    graph: fx.Graph, call: _Call, gated: bool | str, bits: int | None, erased: set[fx.Node]
+) -> str | None:
+    """Replace ``call`` (fused with its product when ``gated``, saving gate and up when it is ``"exact"``; alone when
+    ``bits`` is set), adding the nodes it removes to ``erased``; what changed, or None."""
     product = _product_with(call) if gated and call.entry.gated else None
     where = f"{call.spelled}({operand(call.input)})"
     if product is not None:
         node, up = product
-        reader = next(iter(node.users)) if len(node.users) == 1 else None
+        reader = next(iter(node.users)) if len(node.users) == 1 and gated != "exact" else None  # exact: keeps up
         consumer = reader.target if reader is not None and reader.op == "call_module" else None
         with graph.inserting_before(node):
             layer = graph.get_attr(consumer) if consumer is not None else None
@@ -124,7 +126,7 @@ def _rewrite_call(graph: fx.Graph, call: _Call, gated: bool, bits: int | None, e
     return f"{described} ({call_site(call.output)})"
 
 
-def rewrite(module: nn.Module, gated: bool, bits: int | None) -> RewrittenForward | None:
+def rewrite(module: nn.Module, gated: bool | str, bits: int | None) -> RewrittenForward | None:
     """``module``'s forward with its activation calls replaced (gated products fused when ``gated``, other
     calls by their ``bits``-bit step op when ``bits`` is set), checked; ``None`` if it calls none; else
     :class:`NotConvertible`."""

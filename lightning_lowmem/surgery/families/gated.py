@@ -40,6 +40,8 @@ class GatedMLPs(Family):
             try:
                 with found.gathered(name):
                     found[self.kind][name] = fused = fused_gated_mlp(module, *match)
+                if options.gated == "exact":  # saves gate and up whatever reads the product
+                    fused.mode = "gate_up"
             except NotConvertible as err:
                 found.leave(name, self.kind, module, str(err))
                 continue
