@@ -434,7 +434,7 @@ def test_fsdp2_fuses_the_loss_of_a_causal_lm_whose_head_it_shards(one_process_gr
     if head.startswith("trained"):
         fully_shard(model.lm_head, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    ids = torch.randint(0, stock.config.vocab_size, (2, 16))
+    ids = torch.randint(0, stock.config.vocab_size, (2, 64))  # rows enough that a trained fused head saves
     report = apply_lowmem(model, example_input={"input_ids": ids, "labels": ids}, activation=False)
     assert [e.status for e in report.entries if e.kind == "head"] == ["converted"]
     model.zero_grad(set_to_none=True)

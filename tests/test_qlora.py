@@ -16,6 +16,7 @@ from benchmarks.qlora import ALL_LINEARS, bf16, held_bytes
 from lightning_lowmem.lightning import LowMemBP
 from lightning_lowmem.memory import SavedTensorMeter
 from lightning_lowmem.nn import GatedMLP, MemorySharingNorm
+from lightning_lowmem.ops.gated import exception_slots
 from lightning_lowmem.surgery import apply_lowmem, plan
 
 bnb = pytest.importorskip("bitsandbytes", minversion="0.46", reason="QLoRA on CPU needs bitsandbytes >= 0.46")
@@ -105,7 +106,8 @@ def test_qlora_nf4_with_lora_dropout_saves_what_it_saves_without(tmp_path):
 def test_qlora_nf4_saves_what_the_formula_says_outside_attention(tmp_path):
     """Besides the attention core: each norm one bf16 ``z`` and an fp32 rstd per row (its LoRA A adapters and
     frozen 4-bit layers add nothing; layer 0's input norm needs no rstd, its input being the frozen embedding,
-    and q_proj's LoRA A saves its ``z``), each MLP its gate and product, each LoRA B its r-wide input."""
+    and q_proj's LoRA A saves its ``z``), each MLP its gate and product (and the slots for ``up`` where its activation
+    is 0), each LoRA B its r-wide input."""
     stock, x = qlora_llama(tmp_path), tokens()
     model = converted(stock, x)[0]
     model.train()
@@ -113,7 +115,7 @@ def test_qlora_nf4_saves_what_the_formula_says_outside_attention(tmp_path):
         model(x)
     rows = x.numel()
     norms = (2 * LAYERS + 1) * (rows * HIDDEN * 2 + rows * 4) - rows * 4
-    mlps = LAYERS * 2 * rows * INTERMEDIATE * 2
+    mlps = LAYERS * (2 * rows * INTERMEDIATE * 2 + 12 * exception_slots((rows, INTERMEDIATE)))  # + up where act is 0
     lora_b = LAYERS * len(ALL_LINEARS) * rows * RANK * 2
     outside_attention = sum(r.nbytes for r in meter.records if not r.module.endswith("self_attn"))
     assert outside_attention == norms + mlps + lora_b

@@ -455,3 +455,23 @@ def test_peft_input_cast_is_switched_off():
     model, _ = converted(tiny_vit(["qkv"]), zoo.images())
     assert model.base_model.model.blocks[0].attn.qkv.cast_input_dtype_enabled is False
     assert model.base_model.model.blocks[0].mlp.fc1.__class__ is LowMemLinear
+
+
+def test_under_gradient_checkpointing_the_report_gives_the_steps_saving():
+    """Hugging Face's ``gradient_checkpointing``: one forward saves only each layer's input and what lies outside the
+    layers, the layers' recompute saves the rest in backward. The report measures what a training step holds at its
+    peak, stock and converted, gives that saving and says so; the figures are a measured step's."""
+    from benchmarks import zoo
+    from lightning_lowmem.surgery.measure import step_peak
+
+    model = zoo.lora(zoo.llama(), zoo.LLAMA_LINEARS)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ids = torch.randint(0, zoo.VOCAB, (2, 64), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "labels": ids}
+    stock = copy.deepcopy(model)
+    report = apply_lowmem(model, example_input=batch)
+    assert report.step_bytes_before == step_peak(stock, batch) and report.step_bytes_after == step_peak(model, batch)
+    assert report.reduction == 1 - report.step_bytes_after / report.step_bytes_before > 0.1
+    assert "a training step's activations at their peak (measured" in report.summary()
+    plain = apply_lowmem(zoo.lora(zoo.llama(), zoo.LLAMA_LINEARS), example_input=batch)
+    assert plain.step_bytes_before is None and "saved for backward by one forward:" in plain.summary()

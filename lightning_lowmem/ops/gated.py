@@ -13,14 +13,15 @@ saves. This op saves two, or effectively one:
   extra activation. Exact up to the rounding of ``h`` to its dtype. Where ``act(gate) == 0``
   exactly (``gate == 0``: in bf16 a LoRA term can cancel the base's, 1 element in 1,000-10,000), ``h``
   holds nothing of ``up``: the forward keeps ``up * act'(gate)`` there, for up to one element in
-  :data:`EXCEPTIONS_PER` (``torch.nonzero_static``: a fixed size, no host synchronisation; 12 bytes a slot,
-  0.023 bytes per element), and the backward puts it in. Past that many (not seen in practice) the rest take
+  :data:`EXCEPTIONS_PER` of each row (``torch.nonzero_static``: a fixed size, no host synchronisation; 12 bytes a
+  slot, 0.023 bytes per element at LLaMA's widths), and the backward puts it in. Past that many (not seen in practice) the rest take
   ``up = 0``, as a gradient of 0 there; ``gated="exact"`` (``mode="gate_up"``) saves ``up`` whole.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 
@@ -33,21 +34,21 @@ EXCEPTIONS_PER = 512
 """``mode="gate"`` keeps ``up`` exactly at up to one element in this many where ``act(gate)`` is 0."""
 
 
-def exception_slots(numel: int) -> int:
-    """How many elements of ``numel`` ``mode="gate"`` can keep ``up`` at: one in :data:`EXCEPTIONS_PER`, at least one.
-    Each slot keeps 12 bytes (an int64 index, an fp32 factor)."""
-    return max(1, numel // EXCEPTIONS_PER) if numel else 0
+def exception_slots(shape: Sequence[int]) -> int:
+    """How many elements of a product of ``shape`` ``mode="gate"`` can keep ``up`` at: per row (its last dimension),
+    one in :data:`EXCEPTIONS_PER` rounded up, so that what it keeps grows linearly with the tokens (the memory model
+    extrapolates it). Each slot keeps 12 bytes (an int64 index, an fp32 factor)."""
+    columns = shape[-1] if shape else 1
+    return math.prod(shape) // columns * -(-columns // EXCEPTIONS_PER) if columns else 0
 
 
 def _exceptions(
     act: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, kind: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Where ``act == 0`` (at most ``numel / EXCEPTIONS_PER`` of them, the first in row-major order): their row-major
+    """Where ``act == 0`` (at most :func:`exception_slots` of them, the first in row-major order): their row-major
     indices and ``up * act'(gate)`` there in fp32 (0 and 0 in unused slots), the gate gradient's factor that ``h``
     cannot give back. A fixed size: nothing is read back to the host."""
-    found = torch.nonzero_static(
-        act == 0, size=exception_slots(act.numel()), fill_value=-1
-    )  # (slots, dims), rows of -1 unused
+    found = torch.nonzero_static(act == 0, size=exception_slots(act.shape), fill_value=-1)  # rows of -1: unused
     used = found[:, 0] >= 0
     at = tuple(found.clamp(min=0).unbind(1))
     _, slope = kernels.torch_ops.activation_and_slope(gate[at].float(), kind)

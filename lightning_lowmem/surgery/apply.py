@@ -43,7 +43,7 @@ from lightning_lowmem.surgery.deferred import convert_at_first_forward
 from lightning_lowmem.surgery.example import batch_size, describe, with_batch_size
 from lightning_lowmem.surgery.families import FAMILIES, Candidates
 from lightning_lowmem.surgery.identify import names_activation
-from lightning_lowmem.surgery.measure import measure_saved
+from lightning_lowmem.surgery.measure import measure_saved, measure_step, step_peak
 from lightning_lowmem.surgery.options import Options, takes_options
 from lightning_lowmem.surgery.probe import Flow, probe
 from lightning_lowmem.surgery.report import LowMemReport
@@ -52,7 +52,6 @@ from lightning_lowmem.surgery.training_memory import (
     TrainingMemory,
     fit_lengths,
     sequence_length,
-    step_peak,
     with_length,
 )
 from lightning_lowmem.surgery.verify import eval_outputs, verify
@@ -365,7 +364,8 @@ def run(report: LowMemReport, model: nn.Module, options: Options, example: Any) 
     report.entries, report.linears, report.pending = decided.entries, decided.linears, False
     report.probe = describe(example) if has_example else None
     if has_example and options.measure:
-        report.record(measure_saved(model, example), converted=False)
+        meter, step = measure_step(model, example)
+        report.record(meter, converted=False, step=step)
     reference = (flow.outputs or eval_outputs(model, example)) if has_example and options.verify else None
 
     surgery = decided.apply(model)
@@ -375,6 +375,8 @@ def run(report: LowMemReport, model: nn.Module, options: Options, example: Any) 
         if report.saved_bytes_before is not None:
             report.record(measure_saved(model, example), converted=True)
             surgery = _drop_what_costs(model, example, decided, surgery, report)  # never worse, kind by kind
+            if report.step_bytes_before is not None:  # the forward checkpoints: the step is the figure
+                report.step_bytes_after = step_peak(model, example)
         if options.budget_mib is not None:
             report.budget = fit_budget(
                 model, example, options.budget_mib, surgery, options.checkpoint, options.rungs, options.tile_tokens

@@ -53,14 +53,18 @@ class LowMemReport:
     weight_copy_bytes_after: int | None = None
     saved_by_module_before: dict[str, int] = field(default_factory=dict)
     saved_by_module_after: dict[str, int] = field(default_factory=dict)
+    step_bytes_before: int | None = None
+    step_bytes_after: int | None = None
     probe: str | None = None
     pending: bool = False
     budget: BudgetPlan | None = None
     notes: list[str] = field(default_factory=list)  # other changes to the model, one line each
 
-    def record(self, meter: SavedTensorMeter, converted: bool) -> None:
-        """Keep what ``meter`` measured on the stock (``converted=False``) or the converted model."""
+    def record(self, meter: SavedTensorMeter, converted: bool, step: int | None = None) -> None:
+        """Keep what ``meter`` measured on the stock (``converted=False``) or the converted model, and ``step``, what
+        a training step holds at its peak, where the forward checkpoints (its recompute saves what the meter missed)."""
         suffix = "after" if converted else "before"
+        setattr(self, f"step_bytes_{suffix}", step)
         setattr(self, f"saved_bytes_{suffix}", meter.total_bytes)
         setattr(self, f"weight_copy_bytes_{suffix}", meter.weight_copy_bytes)
         setattr(self, f"saved_by_module_{suffix}", meter.by_module)
@@ -124,7 +128,11 @@ class LowMemReport:
 
     @property
     def reduction(self) -> float | None:
-        """Fraction of the activation bytes removed (autocast's weight copies apart), when measured."""
+        """Fraction of the activation bytes removed, when measured: of what a training step holds at its peak where
+        the model checkpoints (one forward misses what the recompute saves), else of what one forward saves
+        (autocast's weight copies apart)."""
+        if self.step_bytes_before and self.step_bytes_after is not None:
+            return 1.0 - self.step_bytes_after / self.step_bytes_before
         if not self.activation_bytes_before or self.activation_bytes_after is None:
             return None
         return 1.0 - self.activation_bytes_after / self.activation_bytes_before
@@ -139,7 +147,14 @@ class LowMemReport:
             if (n := len(self._with(status, kind)))
         )
         line = f"{counts or 'no candidates'}; {self.linears} linear layers recast weights in backward"
-        if self.reduction is not None:
+        if self.step_bytes_before and self.step_bytes_after is not None:
+            line += (
+                f"; a training step's activations at their peak (measured: forward and backward, the checkpointed "
+                f"layers recomputed): {self.step_bytes_before / MIB:.2f} MiB -> {self.step_bytes_after / MIB:.2f} MiB "
+                f"(-{100 * self.reduction:.1f}%); saved for backward by one forward, outside the checkpointed layers: "
+                f"{self.activation_bytes_before / MIB:.2f} MiB -> {self.activation_bytes_after / MIB:.2f} MiB"
+            )
+        elif self.reduction is not None:
             line += (
                 f"; activations saved for backward by one forward: {self.activation_bytes_before / MIB:.2f} MiB -> "
                 f"{self.activation_bytes_after / MIB:.2f} MiB (-{100 * self.reduction:.1f}%)"

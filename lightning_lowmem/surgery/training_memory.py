@@ -18,9 +18,8 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from lightning_lowmem.memory import MIB
-from lightning_lowmem.memory.peak import allocation_peak
-from lightning_lowmem.surgery.example import CallArgs, call, isolated, tensors_in
-from lightning_lowmem.surgery.measure import measure_saved
+from lightning_lowmem.surgery.example import CallArgs, tensors_in
+from lightning_lowmem.surgery.measure import measure_saved, step_peak
 
 GIB = float(1 << 30)
 # Optimizer state per trainable parameter, bytes: AdamW's two moments in fp32 (torch keeps them in the parameter's
@@ -180,41 +179,6 @@ def with_length(example: Any, length: int) -> Any:
 
 def _call_parts(example: Any) -> Any:
     return [example.args, example.kwargs] if isinstance(example, CallArgs) else example
-
-
-def step_peak(model: nn.Module, example: Any) -> int:
-    """The most bytes a training step on ``example`` (forward, then backward of its loss, or of the sum of its
-    outputs) holds at once above what was allocated before it (RNG and buffers restored): CUDA's peak-allocation
-    counter, or on the CPU the profiler's allocation events. Gradients of trainable parameters are allocated
-    beforehand (they are counted as gradients) and put back after."""
-    trained = [p for p in model.parameters() if p.requires_grad]
-    kept = [p.grad for p in trained]
-    for p in trained:
-        p.grad = torch.zeros_like(p)
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
-
-    def run() -> None:
-        with isolated(model, train=True):
-            _loss(call(model, example)).backward()
-
-    try:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-            start = torch.cuda.memory_allocated(device)
-            torch.cuda.reset_peak_memory_stats(device)
-            run()
-            return torch.cuda.max_memory_allocated(device) - start
-        return allocation_peak(run)[0]
-    finally:
-        for p, grad in zip(trained, kept):
-            p.grad = grad
-
-
-def _loss(output: Any) -> torch.Tensor:
-    loss = getattr(output, "loss", None)
-    if isinstance(loss, torch.Tensor):
-        return loss
-    return sum(t.float().sum() for t in tensors_in(output) if t.requires_grad)
 
 
 def fit_lengths(
