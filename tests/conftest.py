@@ -18,9 +18,10 @@ from benchmarks.forced_capability import emulate
 
 emulate()
 
+from typing import Self
+
 import pytest
 import torch
-from typing_extensions import Self
 
 HAS_GPU = torch.cuda.is_available()
 

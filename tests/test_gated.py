@@ -353,6 +353,7 @@ def test_llama_mlp_with_lora_saves_the_formula(x_dtype):
 
 # -- surgery on timm's gated MLPs -------------------------------------------------------------
 def timm_mlp(layer_name: str) -> nn.Module:
+    pytest.importorskip("timm")
     from timm.layers import GluMlp, LayerNorm, SwiGLU, SwiGLUPacked
 
     return {
@@ -388,7 +389,7 @@ def test_timm_gated_mlps_convert_exactly(layer_name):
 
 
 def test_timm_vit_with_geglu_converts_fully():
-    import timm
+    timm = pytest.importorskip("timm")
     from timm.layers import SwiGLU
 
     stock = timm.create_model(
@@ -476,6 +477,7 @@ def test_packed_glu_saves_a_copy_of_the_gate_not_both_halves():
 
 def test_plain_timm_mlp_is_no_gated_candidate():
     """timm's ``Mlp`` shares the packed GLU's child names; it must not even appear as a gated MLP."""
+    pytest.importorskip("timm")
     from timm.layers import Mlp
 
     model = Wrapper(Mlp(32, 64))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import pickle
 from collections import defaultdict
+from typing import Self
 
 import lightning.pytorch as pl
 import lightning.pytorch.plugins.precision as lightning_precision
@@ -21,7 +22,6 @@ from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.strategies import FSDPStrategy
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
-from typing_extensions import Self
 
 from lightning_lowmem import LowMemBP, LowMemPrecision
 from lightning_lowmem.lightning.precision import LowMemHalfPrecision, LowMemMixedPrecision, is_norm

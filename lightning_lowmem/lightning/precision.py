@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
-from typing import Any, Literal, get_args
+from typing import Any, Literal, Self, get_args
 from weakref import WeakKeyDictionary
 
 import torch
@@ -27,7 +27,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
 from torch.utils.hooks import RemovableHandle
-from typing_extensions import Self, override
+from typing_extensions import override
 
 from lightning_lowmem.memory.saved_tensors import observer
 from lightning_lowmem.nn import MemorySharingNorm

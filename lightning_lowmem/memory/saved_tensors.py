@@ -15,12 +15,12 @@ from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Self
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
-from typing_extensions import Self
 
 MIB = float(1 << 20)
 OBSERVER = "_lowmem_observer"  # marks module hooks that only watch: replacing the module loses nothing
