@@ -7,7 +7,7 @@
 - peft ``tests/testing_common.py::_test_merge_layers``: the logits unmerged, merged and merged-and-unloaded agree
   (atol = rtol = 1e-4 in fp32).
 - transformers ``tests/test_modeling_common.py::test_training_gradient_checkpointing``: with gradient checkpointing
-  every trainable parameter gets a gradient; here also the same converted model's without it.
+  every trainable parameter gets a gradient; here also, with and without it, gradients as close as stock's are.
 """
 
 from __future__ import annotations
@@ -70,10 +70,9 @@ def test_merge_layers_agree_within_peft_tolerance():
         assert torch.allclose(logits, other, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_training_gradient_checkpointing_gives_every_trainable_parameter_its_gradient(dtype):
-    model = lora_llama(dtype, True, dropout=0.05)
-    apply_lowmem(model, example_input={"input_ids": IDS, "labels": IDS})
+def checkpointing_differences(model: torch.nn.Module) -> dict[str, float]:
+    """Each trainable parameter's gradient with gradient checkpointing against without it (relative norm of the
+    difference), asserting that every one gets a gradient (transformers' ``test_training_gradient_checkpointing``)."""
     grads = []
     for checkpointing in (False, True):
         if checkpointing:
@@ -84,4 +83,16 @@ def test_training_gradient_checkpointing_gives_every_trainable_parameter_its_gra
         grads.append({n: p.grad for n, p in model.named_parameters() if p.requires_grad})
     for name, grad in grads[1].items():
         assert grad is not None, f"{name} has no gradient under gradient checkpointing"
-        torch.testing.assert_close(grad, grads[0][name], rtol=1e-5, atol=1e-7, msg=name)
+    return {name: ((grad - grads[0][name]).norm() / grads[0][name].norm()).item() for name, grad in grads[1].items()}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_training_gradient_checkpointing_gives_every_trainable_parameter_its_gradient(dtype):
+    """The same gradients with and without checkpointing (dropout masks replayed), as close as stock's are: in bf16,
+    transformers 4.57 rounds its recompute differently (stock's own gradients then differ by 0.6%)."""
+    stock = lora_llama(dtype, True, dropout=0.05)
+    model = copy.deepcopy(stock)
+    apply_lowmem(model, example_input={"input_ids": IDS, "labels": IDS})
+    ours, theirs = checkpointing_differences(model), checkpointing_differences(stock)
+    for name, difference in ours.items():
+        assert difference <= 2 * theirs[name] + 1e-6, (name, difference, theirs[name])
