@@ -273,6 +273,27 @@ at::Tensor dropped(const at::Tensor& x, double p, const PhiloxSeed& seed, bool o
   return out;
 }
 
+// dropout_input_and_grad of the kernels, called directly where the tensors hold data, else as the operator.
+std::tuple<at::Tensor, at::Tensor> drop_input_and_grad(const at::Tensor& x, const OptionalTensor& scale,
+                                                       const OptionalTensor& shift, at::ScalarType dtype,
+                                                       const at::Tensor& grad, double p, const PhiloxSeed& seed) {
+  if (!holds_data(x) || !holds_data(grad) || (seed.tensor.defined() && !holds_data(seed.tensor))) {
+    static auto op = c10::Dispatcher::singleton()
+                         .findSchemaOrThrow("lowmem::dropout_input_and_grad", "")
+                         .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const OptionalTensor&,
+                                                                    const OptionalTensor&, at::ScalarType,
+                                                                    const at::Tensor&, double, const at::Tensor&)>();
+    return op.call(x, scale, shift, dtype, grad, p, seed_tensor(seed));
+  }
+  at::Tensor xc = x.contiguous(), g = grad.contiguous();
+  at::Tensor read = at::empty(xc.sizes(), xc.options().dtype(dtype));
+  at::Tensor masked = g.is_same(grad) ? g : at::empty_like(g);  // the caller's own gradient: masked in place
+  if (xc.numel() > 0) {
+    dropout_input_and_grad(xc, value_or_undefined(scale), value_or_undefined(shift), g, p, seed, read, masked);
+  }
+  return {read, masked};
+}
+
 // The seed a function keeps for its backward: its values where they live on the host (no tensor saved), its tensor
 // otherwise (appended to `saved`).
 void keep_seed(AutogradContext* ctx, const PhiloxSeed& seed, std::vector<at::Tensor>& saved) {
@@ -343,7 +364,18 @@ struct AffineLinearFunction : public torch::autograd::Function<AffineLinearFunct
     if (needs_b) grad_sum = grad_2d.sum(0);  // one pass over grad, for the bias and the beta term
     const bool shared = ctx->saved_data["shared"].toBool() && (gamma.defined() || beta.defined());
     const double offset = ctx->saved_data["offset"].toDouble();
-    if (needs_w && p > 0.0) {  // ops.affine._dropped_input: the input the layer read, rebuilt, then the mask
+    const bool applies = ctx->saved_data["applies"].toBool();
+    at::Tensor grad_x;
+    if (needs_x) grad_x = grad.matmul(in_dtype(weight, dtype));
+    if (needs_w && applies && needs_x) {  // the input the layer read and the gradient of it: one mask, one pass
+      const at::ScalarType acc = at::toOpMathType(dtype);
+      OptionalTensor scale, shift;
+      if (shared && gamma.defined()) scale = in_dtype(affine_scale(gamma, offset), acc);
+      if (shared && beta.defined()) shift = in_dtype(beta, acc);
+      at::Tensor read;
+      std::tie(read, grad_x) = drop_input_and_grad(inputs_saved, scale, shift, dtype, grad_x, p, seed);
+      out[2] = in_dtype(grad_2d.t().mm(read.reshape({-1, read.size(-1)})), weight.scalar_type());
+    } else if (needs_w && p > 0.0) {  // ops.affine._dropped_input: the input the layer read, rebuilt, then the mask
       at::Tensor x = inputs_saved;
       if (shared) {
         const at::Tensor& param = gamma.defined() ? gamma : beta;
@@ -370,8 +402,7 @@ struct AffineLinearFunction : public torch::autograd::Function<AffineLinearFunct
     }
     if (needs_b) out[3] = in_dtype(grad_sum, weight.scalar_type());
     if (needs_x) {
-      at::Tensor grad_x = grad.matmul(in_dtype(weight, dtype));
-      if (ctx->saved_data["applies"].toBool()) grad_x = dropped(grad_x, p, seed, true);  // the mask, on what it read
+      if (applies && !needs_w) grad_x = dropped(grad_x, p, seed, true);  // the mask, on what it read
       out[0] = in_dtype(grad_x, ctx->saved_data["x_dtype"].toScalarType());
     }
     return out;

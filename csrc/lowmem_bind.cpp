@@ -319,6 +319,31 @@ at::Tensor dropout_op(const at::Tensor& x, double p, const at::Tensor& seed) {
   return out;
 }
 
+// A folded dropout's backward in one pass (see dropout_input_and_grad in lowmem_kernels.h).
+std::tuple<at::Tensor, at::Tensor> dropout_input_and_grad_op(const at::Tensor& x, const std::optional<at::Tensor>& scale,
+                                                             const std::optional<at::Tensor>& shift,
+                                                             at::ScalarType dtype, const at::Tensor& grad, double p,
+                                                             const at::Tensor& seed) {
+  const char* op = "dropout_input_and_grad";
+  check_float(op, "x", x);
+  check_float(op, "grad", grad);
+  check_tensor(op, "seed", seed);
+  TORCH_CHECK_VALUE(p >= 0.0 && p < 1.0, op, ": p must be in [0, 1), got ", p);
+  TORCH_CHECK_VALUE(seed.scalar_type() == at::kLong && (seed.numel() == 1 || seed.numel() == 2) && seed.is_contiguous(),
+                    op, ": seed must be one or two int64 values (a key, and a first counter), got ", seed.numel(), " of ",
+                    seed.scalar_type());
+  TORCH_CHECK_VALUE(x.dim() > 0 && grad.sizes() == x.sizes() && grad.scalar_type() == dtype, op, ": grad must be ",
+                    dtype, " of x's shape ", x.sizes(), ", got ", grad.scalar_type(), " ", grad.sizes());
+  const at::ScalarType acc = accumulate_type(dtype);
+  const at::Tensor scale_values = affine_values(op, "scale", scale, x.size(-1), acc);
+  const at::Tensor shift_values = affine_values(op, "shift", shift, x.size(-1), acc);
+  at::Tensor xc = x.contiguous(), g = grad.contiguous();
+  at::Tensor read = at::empty(xc.sizes(), xc.options().dtype(dtype));
+  at::Tensor masked = at::empty_like(g, at::MemoryFormat::Contiguous);
+  if (x.numel() > 0) dropout_input_and_grad(xc, scale_values, shift_values, g, p, philox_seed(seed), read, masked);
+  return {read, masked};
+}
+
 #if !defined(LOWMEM_CUDA)
 // The per-row loss of logits, which are overwritten with the loss's gradient (see cross_entropy_grad).
 at::Tensor cross_entropy_grad_op(at::Tensor& logits, const at::Tensor& target, int64_t ignore_index,
@@ -374,6 +399,7 @@ TORCH_LIBRARY_IMPL(lowmem, LOWMEM_DISPATCH_KEY, m) {
   m.impl("norm_backward", &lowmem::norm_backward_op);
   m.impl("gated_backward", &lowmem::gated_backward_op);
   m.impl("dropout", &lowmem::dropout_op);
+  m.impl("dropout_input_and_grad", &lowmem::dropout_input_and_grad_op);
 #if !defined(LOWMEM_CUDA)  // GPUs run the reference (the ops layer takes this path on CPU only)
   m.impl("norm_exact_columns", &lowmem::norm_exact_columns_op);
   m.impl("norm_output_forward", &lowmem::norm_output_forward_op);

@@ -977,6 +977,33 @@ void dropout_kernel(const T* x, int64_t numel, PhiloxSeed seed, uint32_t thresho
   });
 }
 
+// dropout_input_and_grad: both outputs from one mask per Philox block, the input rebuilt by its affine on the way.
+template <typename X, typename T>
+void dropout_pair_kernel(const X* x, const at::opmath_type<T>* scale, const at::opmath_type<T>* shift, int64_t dim,
+                         const T* grad, int64_t numel, PhiloxSeed seed, uint32_t threshold,
+                         at::opmath_type<T> kept_scale, T* read, T* masked) {
+  using acc_t = at::opmath_type<T>;
+  const int64_t counters = (numel + 3) / 4;
+  at::parallel_for(0, counters, 4 * kDropoutCounters, [&](int64_t begin, int64_t end) {
+    alignas(64) uint32_t words[4 * kDropoutCounters];
+    for (int64_t first = begin; first < end; first += kDropoutCounters) {
+      const int64_t n = std::min(kDropoutCounters, end - first);
+      philox_words(seed.key, seed.first + static_cast<uint64_t>(first), n, words);
+      const int64_t offset = 4 * first, count = std::min(4 * n, numel - offset);
+      for (int64_t i = 0; i < count; ++i) {
+        const int64_t at = offset + i;
+        const bool keep = words[i] >= threshold;
+        acc_t v = static_cast<acc_t>(x[at]);
+        if (scale != nullptr) v = v * scale[at % dim];
+        if (shift != nullptr) v = v + shift[at % dim];
+        const acc_t rebuilt = static_cast<acc_t>(static_cast<T>(v));
+        read[at] = static_cast<T>(keep ? rebuilt * kept_scale : acc_t(0));
+        masked[at] = static_cast<T>(keep ? static_cast<acc_t>(grad[at]) * kept_scale : acc_t(0));
+      }
+    }
+  });
+}
+
 }  // namespace
 
 // The table's `count` thresholds in acc_t, the rest of the storage's slots +inf (codes never reach them).
@@ -1156,6 +1183,22 @@ void dropout(const at::Tensor& x, double p, const PhiloxSeed& seed, at::Tensor& 
     using acc_t = at::opmath_type<scalar_t>;
     dropout_kernel(x.const_data_ptr<scalar_t>(), x.numel(), seed, dropout_threshold(p),
                    static_cast<acc_t>(1.0 / (1.0 - p)), out.mutable_data_ptr<scalar_t>());
+  });
+}
+
+void dropout_input_and_grad(const at::Tensor& x, const at::Tensor& scale, const at::Tensor& shift, const at::Tensor& grad,
+                            double p, const PhiloxSeed& seed, at::Tensor& read, at::Tensor& masked) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(), "dropout_input_and_grad", [&] {
+    using T = scalar_t;
+    using acc_t = at::opmath_type<T>;
+    const acc_t* scales = scale.defined() ? scale.const_data_ptr<acc_t>() : nullptr;
+    const acc_t* shifts = shift.defined() ? shift.const_data_ptr<acc_t>() : nullptr;
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "dropout_input_and_grad", [&] {
+      dropout_pair_kernel<scalar_t, T>(x.const_data_ptr<scalar_t>(), scales, shifts, x.size(-1),
+                                       grad.const_data_ptr<T>(), grad.numel(), seed, dropout_threshold(p),
+                                       static_cast<acc_t>(1.0 / (1.0 - p)), read.mutable_data_ptr<T>(),
+                                       masked.mutable_data_ptr<T>());
+    });
   });
 }
 

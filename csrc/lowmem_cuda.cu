@@ -331,6 +331,36 @@ void gated_backward(const at::Tensor& grad, const at::Tensor& gate, const at::Te
 
 namespace {
 
+// dropout_input_and_grad: one Philox counter (four elements) per thread, both outputs from its words.
+template <typename X, typename T>
+__global__ void dropout_pair_kernel(const X* __restrict__ x, const at::opmath_type<T>* __restrict__ scale,
+                                    const at::opmath_type<T>* __restrict__ shift, int64_t dim,
+                                    const T* __restrict__ grad, int64_t numel, const int64_t* __restrict__ seed,
+                                    int seed_words, uint32_t threshold, at::opmath_type<T> kept_scale,
+                                    T* __restrict__ read, T* __restrict__ masked) {
+  using acc_t = at::opmath_type<T>;
+  const uint64_t key = static_cast<uint64_t>(seed[0]);
+  const uint64_t first = seed_words > 1 ? static_cast<uint64_t>(seed[1]) : 0;
+  const int64_t counters = (numel + 3) / 4;
+  for (int64_t c = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; c < counters;
+       c += static_cast<int64_t>(blockDim.x) * gridDim.x) {
+    uint32_t words[4];
+    philox4x32(key, first + static_cast<uint64_t>(c), words);
+LOWMEM_UNROLL
+    for (int k = 0; k < 4; ++k) {
+      const int64_t i = 4 * c + k;
+      if (i >= numel) continue;
+      const bool keep = words[k] >= threshold;
+      acc_t v = static_cast<acc_t>(x[i]);
+      if (scale != nullptr) v = v * scale[i % dim];
+      if (shift != nullptr) v = v + shift[i % dim];
+      const acc_t rebuilt = static_cast<acc_t>(static_cast<T>(v));
+      read[i] = static_cast<T>(keep ? rebuilt * kept_scale : acc_t(0));
+      masked[i] = static_cast<T>(keep ? static_cast<acc_t>(grad[i]) * kept_scale : acc_t(0));
+    }
+  }
+}
+
 template <bool kDraw>
 void launch_dropout(const at::Tensor& x, double p, const at::Tensor& seed, at::PhiloxCudaState state,
                     at::Tensor& out) {
@@ -356,6 +386,25 @@ PhiloxSeed philox_seed(const at::Tensor& seed) {
 
 void dropout(const at::Tensor& x, double p, const PhiloxSeed& seed, at::Tensor& out) {
   launch_dropout<false>(x, p, seed.tensor, at::PhiloxCudaState(), out);
+}
+
+void dropout_input_and_grad(const at::Tensor& x, const at::Tensor& scale, const at::Tensor& shift, const at::Tensor& grad,
+                            double p, const PhiloxSeed& seed, at::Tensor& read, at::Tensor& masked) {
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int64_t blocks = elementwise_blocks((x.numel() + 3) / 4);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(), "dropout_input_and_grad", [&] {
+    using T = scalar_t;
+    using acc_t = at::opmath_type<T>;
+    const acc_t* scales = scale.defined() ? scale.const_data_ptr<acc_t>() : nullptr;
+    const acc_t* shifts = shift.defined() ? shift.const_data_ptr<acc_t>() : nullptr;
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "dropout_input_and_grad", [&] {
+      dropout_pair_kernel<scalar_t, T><<<blocks, kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+          x.const_data_ptr<scalar_t>(), scales, shifts, x.size(-1), grad.const_data_ptr<T>(), grad.numel(),
+          seed.tensor.const_data_ptr<int64_t>(), static_cast<int>(seed.tensor.numel()), dropout_threshold(p),
+          static_cast<acc_t>(1.0 / (1.0 - p)), read.mutable_data_ptr<T>(), masked.mutable_data_ptr<T>());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+  });
 }
 
 PhiloxSeed dropout_draw(const at::Tensor& x, double p, at::Tensor& out) {

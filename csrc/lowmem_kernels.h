@@ -96,6 +96,13 @@ PhiloxSeed philox_seed(const at::Tensor& seed);
 // out contiguous, 0 <= p < 1. A backward calls it on the gradient with the same seed.
 void dropout(const at::Tensor& x, double p, const PhiloxSeed& seed, at::Tensor& out);
 
+// A folded dropout's backward in one pass, one mask (of `seed`) on both: read = dropout of x * scale + shift, computed
+// in read's accumulate type and rounded to read's dtype (x as it is without scale and shift; each undefined or `dim`
+// values of that type, per element of the last dimension), masked = dropout of grad. All contiguous; read, grad and
+// masked one dtype, x any floating dtype.
+void dropout_input_and_grad(const at::Tensor& x, const at::Tensor& scale, const at::Tensor& shift, const at::Tensor& grad,
+                            double p, const PhiloxSeed& seed, at::Tensor& read, at::Tensor& masked);
+
 // dropout with a seed drawn from the default generator of x's device, as ATen's own dropout draws: a key from the
 // CPU's, the GPU's key and as many consecutive counters as the mask uses (no launch, no host synchronisation,
 // CUDA-graph safe: the kernel writes them to `tensor`). torch.manual_seed and checkpointing's replay of the

@@ -66,6 +66,10 @@ def op_samples(dtype: torch.dtype) -> dict[str, list[tuple]]:
         "gated_backward": [(x, gate, up, "silu", None), (x, gate, act * up, "gelu", act)],
         "stock_activation": [(gate, "gelu_tanh"), (gate[..., ::2], "silu")],
         "dropout": [(x, 0.1, torch.tensor([7], dtype=torch.int64)), (x[..., ::3], 0.5, torch.tensor([2**40]))],
+        "dropout_input_and_grad": [
+            (z, None, None, dtype, torch.randn_like(x), 0.1, torch.tensor([7])),
+            (z, torch.rand(40) + 0.5, torch.randn(40), torch.float32, torch.randn(3, 5, 40), 0.2, torch.tensor([7, 9])),
+        ],
         "cross_entropy_grad_": [
             (torch.randn(6, 40), torch.tensor([1, 2, -100, 39, 0, 5]), -100, 0.0, 0.0),
             (torch.randn(6, 40), torch.tensor([1, 2, 3, 39, 0, 5]), -100, 0.1, 30.0),

@@ -62,6 +62,27 @@ def test_a_seeds_first_counter_continues_its_keys_stream(kernel_backend):
     torch.testing.assert_close(kernel_backend.module.dropout(ones, 0.3, far), torch_ops.dropout(ones, 0.3, far))
 
 
+@pytest.mark.parametrize("affine", ["none", "scale", "scale and shift"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_every_backend_gives_a_folded_dropouts_input_and_gradient_in_one_pass(kernel_backend, dtype, affine):
+    """``dropout_input_and_grad``: the input a LoRA adapter read (rebuilt from a norm's ``z`` by its affine, rounded to
+    the compute dtype) and the gradient of what it read, one mask on both: the reference's (two ``dropout`` calls);
+    the affine to one rounding (a backend may fuse its multiply-add), the masks and the gradient exactly."""
+    device = kernel_backend.device
+    z = torch.randn(5, 37, 24, device=device).to(torch.bfloat16)  # a bf16 norm output, read by fp32 or half adapters
+    grad = torch.randn(5, 37, 24, device=device).to(dtype)
+    scale = torch.rand(24, device=device) + 0.5 if affine != "none" else None
+    shift = torch.randn(24, device=device) if affine == "scale and shift" else None
+    for seed in (torch.tensor([2**40 + 5], device=device), torch.tensor([7, 2**33 + 1], device=device)):
+        read, masked = kernel_backend.module.dropout_input_and_grad(z, scale, shift, dtype, grad, 0.1, seed)
+        want_read, want_masked = torch_ops.dropout_input_and_grad(z, scale, shift, dtype, grad, 0.1, seed)
+        assert read.dtype == masked.dtype == dtype and torch.equal((read != 0), (want_read != 0))
+        torch.testing.assert_close(masked, want_masked, rtol=0, atol=0)
+        assert torch.equal(masked != 0, want_read != 0)  # one mask on both
+        ulp = {torch.float32: 2e-7, torch.bfloat16: 8e-3, torch.float16: 1e-3}[dtype]
+        torch.testing.assert_close(read, want_read, rtol=ulp, atol=1e-6)
+
+
 @pytest.mark.parametrize("p", [0.05, 0.1, 0.5])
 def test_the_keep_rate_is_one_minus_p_within_five_sigma(p):
     n = 1 << 20

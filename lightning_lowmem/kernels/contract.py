@@ -133,6 +133,23 @@ class KernelContract(Protocol):
         backward applies the forward's mask by calling it on the gradient with the same seed: nothing but the seed
         is saved."""
 
+    def dropout_input_and_grad(
+        self,
+        x: torch.Tensor,
+        scale: torch.Tensor | None,
+        shift: torch.Tensor | None,
+        dtype: torch.dtype,
+        grad: torch.Tensor,
+        p: float,
+        seed: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A folded dropout's backward in one pass: ``(dropout(rebuilt), dropout(grad))``, both with the mask of
+        ``seed`` (:meth:`dropout`). ``rebuilt``, the input the layer read before its mask, is ``x * scale + shift``
+        (``scale`` and ``shift`` per feature, the last dimension, in the accumulate dtype of ``dtype``, either None:
+        :func:`~lightning_lowmem.kernels.torch_ops.affine`) rounded to ``dtype``, or ``x`` in ``dtype`` with neither;
+        ``grad`` (``dtype``, ``x``'s shape) is the gradient of what the layer read. What the affine and two ``dropout``
+        calls give, with a fused multiply-add where a backend fuses it; one launch where they took three to five."""
+
     def cross_entropy_grad_(
         self,
         logits: torch.Tensor,

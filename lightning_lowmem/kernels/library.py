@@ -64,6 +64,9 @@ SCHEMAS = {
     "gated_backward": "(Tensor grad, Tensor gate, Tensor second, str kind, Tensor? act) -> (Tensor, Tensor)",
     "stock_activation": "(Tensor x, str kind) -> Tensor",
     "dropout": "(Tensor x, float p, Tensor seed) -> Tensor",
+    "dropout_input_and_grad": (
+        "(Tensor x, Tensor? scale, Tensor? shift, ScalarType dtype, Tensor grad, float p, Tensor seed) -> (Tensor, Tensor)"
+    ),
     "cross_entropy_grad_": (
         "(Tensor(a!) logits, Tensor target, int ignore_index, float label_smoothing, float softcap,"
         " Tensor? row_scale=None) -> Tensor"
@@ -226,6 +229,20 @@ def _gated_backward_fake(
 @_fake("dropout")
 def _dropout_fake(x: torch.Tensor, p: float, seed: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@_fake("dropout_input_and_grad")
+def _dropout_input_and_grad_fake(
+    x: torch.Tensor,
+    scale: torch.Tensor | None,
+    shift: torch.Tensor | None,
+    dtype: torch.dtype,
+    grad: torch.Tensor,
+    p: float,
+    seed: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    read = torch.empty_like(x, dtype=dtype, memory_format=torch.contiguous_format)
+    return read, torch.empty_like(grad, memory_format=torch.contiguous_format)
 
 
 @_fake("cross_entropy_grad_")

@@ -152,8 +152,11 @@ def norm_forward(
     return z, rstd.view(-1)
 
 
-def affine(z: torch.Tensor, scale: torch.Tensor | None, shift: torch.Tensor | None) -> torch.Tensor:
-    """``scale * z + shift`` in the dtype of ``scale`` / ``shift``, returned in ``z``'s (either may be None)."""
+def affine(
+    z: torch.Tensor, scale: torch.Tensor | None, shift: torch.Tensor | None, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """``scale * z + shift`` in the dtype of ``scale`` / ``shift``, returned in ``dtype`` (default ``z``'s; either of
+    ``scale`` and ``shift`` may be None)."""
     out = z.to((scale if scale is not None else shift).dtype)
     if scale is not None and shift is not None:
         out = torch.addcmul(shift, out, scale)  # one pass
@@ -161,7 +164,7 @@ def affine(z: torch.Tensor, scale: torch.Tensor | None, shift: torch.Tensor | No
         out = out * scale
     else:
         out = out + shift
-    return out.to(z.dtype)
+    return out.to(dtype or z.dtype)
 
 
 def check_affine(op: str, dim: int, dtype: torch.dtype, scale: torch.Tensor | None, shift: torch.Tensor | None) -> None:
@@ -321,6 +324,25 @@ def dropout(x: torch.Tensor, p: float, seed: torch.Tensor) -> torch.Tensor:
     acc = accumulate_dtype(x.dtype)
     kept = x.contiguous().to(acc) * (1.0 / (1.0 - p))
     return torch.where(keep, kept, torch.zeros((), dtype=acc, device=x.device)).to(x.dtype)
+
+
+def dropout_input_and_grad(
+    x: torch.Tensor,
+    scale: torch.Tensor | None,
+    shift: torch.Tensor | None,
+    dtype: torch.dtype,
+    grad: torch.Tensor,
+    p: float,
+    seed: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    check_dropout(grad, p, seed)
+    if x.shape != grad.shape or grad.dtype != dtype:
+        raise ValueError(
+            f"dropout_input_and_grad: grad must be {dtype} of x's shape {tuple(x.shape)}, got {grad.dtype} "
+            f"{tuple(grad.shape)}"
+        )
+    rebuilt = x.to(dtype) if scale is None and shift is None else affine(x, scale, shift, dtype)
+    return dropout(rebuilt, p, seed), dropout(grad, p, seed)
 
 
 CROSS_ENTROPY_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

@@ -82,6 +82,10 @@ def launch_every_choice(ops: Any, device: torch.device | str = "cpu") -> None:
         for p in (0.1, 0.5):  # the threshold an int32, then an int64
             ops.dropout(x, p, seed)
         ops.dropout(x, 0.1, torch.tensor([1, 2**40], device=device))  # a key and a first counter
+        columns = tensor(64, like=1.0)
+        for scale, shift in ((None, None), (columns, None), (columns, columns)):  # LoRA's input: as it is, RMS, LN
+            for first in (seed, torch.tensor([1, 2**40], device=device)):
+                ops.dropout_input_and_grad(x, scale, shift, dtype, x, 0.1, first)
         for dim in sorted({triton_ops.norm_settings(n)[0] for n in lengths}):
             rows, rstd = tensor(2, dim, dtype=dtype), tensor(2, like=1.0)
             for center in (True, False):

@@ -207,6 +207,43 @@ def _dropout_kernel(x_ptr, seed_ptr, out_ptr, numel, threshold, scale, BLOCK: tl
 
 
 @triton.jit
+def _pair_at(x_ptr, scale_ptr, shift_ptr, grad_ptr, read_ptr, masked_ptr, i, numel, dim, word, threshold, kept_scale,
+             HAS_SCALE: tl.constexpr, HAS_SHIFT: tl.constexpr):  # fmt: skip
+    inside = i < numel
+    keep = word.to(tl.int64) >= threshold
+    v = tl.load(x_ptr + i, mask=inside, other=0.0).to(tl.float32)
+    if HAS_SCALE:
+        v = v * tl.load(scale_ptr + i % dim, mask=inside, other=1.0)
+    if HAS_SHIFT:
+        v = v + tl.load(shift_ptr + i % dim, mask=inside, other=0.0)
+    rebuilt = v.to(read_ptr.dtype.element_ty).to(tl.float32)  # the input the layer read, in its dtype
+    tl.store(read_ptr + i, tl.where(keep, rebuilt * kept_scale, 0.0).to(read_ptr.dtype.element_ty), mask=inside)
+    g = tl.load(grad_ptr + i, mask=inside, other=0.0).to(tl.float32)
+    tl.store(masked_ptr + i, tl.where(keep, g * kept_scale, 0.0).to(masked_ptr.dtype.element_ty), mask=inside)
+
+
+@triton.jit
+def _dropout_pair_kernel(
+    x_ptr, scale_ptr, shift_ptr, grad_ptr, seed_ptr, read_ptr, masked_ptr, numel, dim, threshold, kept_scale,
+    HAS_SCALE: tl.constexpr, HAS_SHIFT: tl.constexpr, FIRST: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    # dropout_input_and_grad: BLOCK Philox counters as in _dropout_kernel, both outputs from their words
+    index = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    counter = index + tl.load(seed_ptr + 1) if FIRST else index
+    zero = tl.zeros((BLOCK,), dtype=tl.uint32)
+    w0, w1, w2, w3 = tl.philox(tl.load(seed_ptr), (counter & 0xFFFFFFFF).to(tl.uint32), (counter >> 32).to(tl.uint32),
+                               zero, zero)  # fmt: skip
+    _pair_at(x_ptr, scale_ptr, shift_ptr, grad_ptr, read_ptr, masked_ptr, 4 * index, numel, dim, w0, threshold,
+             kept_scale, HAS_SCALE, HAS_SHIFT)  # fmt: skip
+    _pair_at(x_ptr, scale_ptr, shift_ptr, grad_ptr, read_ptr, masked_ptr, 4 * index + 1, numel, dim, w1, threshold,
+             kept_scale, HAS_SCALE, HAS_SHIFT)  # fmt: skip
+    _pair_at(x_ptr, scale_ptr, shift_ptr, grad_ptr, read_ptr, masked_ptr, 4 * index + 2, numel, dim, w2, threshold,
+             kept_scale, HAS_SCALE, HAS_SHIFT)  # fmt: skip
+    _pair_at(x_ptr, scale_ptr, shift_ptr, grad_ptr, read_ptr, masked_ptr, 4 * index + 3, numel, dim, w3, threshold,
+             kept_scale, HAS_SCALE, HAS_SHIFT)  # fmt: skip
+
+
+@triton.jit
 def _capped(row_ptr, cols, vocab, softcap, SOFTCAP: tl.constexpr):
     """A block of a row's logits, fp32, capped as Gemma 2 caps them (``softcap * tanh(x / softcap)``; -inf past
     the row's end), and the cap's derivative ``1 - tanh^2`` (1 without a cap), both from ``exp(-2|x| / softcap)``:
@@ -475,6 +512,46 @@ def dropout(x: torch.Tensor, p: float, seed: torch.Tensor) -> torch.Tensor:
             FIRST=seed.numel() > 1,
         )
     return out
+
+
+def dropout_input_and_grad(
+    x: torch.Tensor,
+    scale: torch.Tensor | None,
+    shift: torch.Tensor | None,
+    dtype: torch.dtype,
+    grad: torch.Tensor,
+    p: float,
+    seed: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if dtype == torch.float64:
+        return torch_ops.dropout_input_and_grad(x, scale, shift, dtype, grad, p, seed)
+    torch_ops.check_dropout(grad, p, seed)
+    _check_float("dropout_input_and_grad", "x", x)
+    _check_float("dropout_input_and_grad", "grad", grad)
+    if x.dim() == 0 or x.shape != grad.shape or grad.dtype != dtype:
+        raise ValueError(
+            f"dropout_input_and_grad: grad must be {dtype} of x's shape {tuple(x.shape)}, got {grad.dtype} "
+            f"{tuple(grad.shape)}"
+        )
+    for name, values in (("scale", scale), ("shift", shift)):
+        if values is not None and (values.numel() != x.shape[-1] or values.dtype != torch.float32):
+            raise ValueError(
+                f"dropout_input_and_grad: expected {x.shape[-1]} {name} values of dtype float32, got {values.numel()} "
+                f"of {values.dtype}"
+            )
+    x, grad = x.contiguous(), grad.contiguous()
+    read, masked = torch.empty(x.shape, dtype=dtype, device=x.device), torch.empty_like(grad)
+    if x.numel() == 0:
+        return read, masked
+    counters = (x.numel() + 3) // 4
+    with _launching_on("dropout_input_and_grad", x):
+        _dropout_pair_kernel[(triton.cdiv(counters, ELEMENTS_PER_PROGRAM // 4),)](
+            x, grad if scale is None else scale.contiguous(), grad if shift is None else shift.contiguous(), grad, seed,
+            read, masked,
+            x.numel(), x.shape[-1], torch_ops.dropout_threshold(p), 1.0 / (1.0 - p), HAS_SCALE=scale is not None,
+            HAS_SHIFT=shift is not None, FIRST=seed.numel() > 1, BLOCK=ELEMENTS_PER_PROGRAM // 4,
+        )  # fmt: skip
+    return read, masked
 
 
 def cross_entropy_grad_(

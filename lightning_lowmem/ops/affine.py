@@ -89,20 +89,36 @@ class AffineLinearFunction(torch.autograd.Function):
         grad_2d = grad.reshape(-1, grad.shape[-1])
         grad_x = grad_w = grad_b = None
         grad_sum = grad_2d.sum(0) if needs_b else None  # one pass over grad, for the bias and the beta term
-        if needs_w and seed is None:
-            grad_w = _weight_grad(grad_2d, grad_sum, saved, gamma, beta, dtype, ctx.offset, ctx.shared)
-        elif needs_w:
+        impl = kernels.implementation(grad.device)
+        if needs_x:
+            grad_x = grad @ weight.to(dtype)
+        if needs_w and ctx.applies and needs_x:  # the input the layer read and the gradient of it: one mask, one pass
+            scale, shift = _affine(ctx, gamma, beta)
+            read, grad_x = impl.dropout_input_and_grad(saved, scale, shift, dtype, grad_x, ctx.p, seed)
+            grad_w = grad_2d.t() @ read.reshape(-1, read.shape[-1])
+        elif needs_w and seed is not None:
             grad_w = grad_2d.t() @ _dropped_input(ctx, saved, gamma, beta, seed)
+        elif needs_w:
+            grad_w = _weight_grad(grad_2d, grad_sum, saved, gamma, beta, dtype, ctx.offset, ctx.shared)
+        elif needs_x and ctx.applies:  # the mask, applied to the gradient of what the layer read
+            grad_x = impl.dropout(grad_x, ctx.p, seed)
         if needs_w:
             grad_w = grad_w.to(weight.dtype)
         if needs_b:
             grad_b = grad_sum.to(weight.dtype)
         if needs_x:
-            grad_x = grad @ weight.to(dtype)
-            if ctx.applies:  # the mask, applied to the gradient of what the layer read
-                grad_x = kernels.implementation(grad_x.device).dropout(grad_x, ctx.p, seed)
             grad_x = grad_x.to(ctx.x_dtype)
         return grad_x, None, grad_w, grad_b, None, None, None, None, None, None, None
+
+
+def _affine(ctx, gamma, beta) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The affine that rebuilds the input from a shared ``z`` (scale, shift: ``dropout_input_and_grad``'s arguments,
+    in the compute dtype's accumulate dtype), or none."""
+    if not ctx.shared:
+        return None, None
+    acc = kernels.torch_ops.accumulate_dtype(ctx.dtype)
+    scale = None if gamma is None else affine_scale(gamma, ctx.offset).to(acc)
+    return scale, None if beta is None else beta.to(acc)
 
 
 def _dropped_input(ctx, saved: torch.Tensor, gamma, beta, seed: torch.Tensor) -> torch.Tensor:
