@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <optional>
 #include <vector>
 
@@ -282,23 +283,73 @@ void check_like(const char* name, const at::Tensor& t, const at::Tensor& grad) {
                    ", ", name, " ", t.scalar_type());
 }
 
+// A tensor as rows of its last dimension (a scalar: one row of one).
+std::pair<int64_t, int64_t> rows_and_columns(const at::Tensor& t) {
+  int64_t rows = 1;
+  for (int64_t d = 0; d + 1 < t.dim(); ++d) rows *= t.size(d);
+  return {rows, t.dim() ? t.size(-1) : 1};
+}
+
+std::tuple<at::Tensor, at::Tensor> gated_exceptions_op(const at::Tensor& act, const at::Tensor& up, int64_t slots) {
+  const char* op = "gated_exceptions";
+  check_float(op, "act", act);
+  check_tensor(op, "up", up);
+  TORCH_CHECK_VALUE(up.sizes() == act.sizes() && up.scalar_type() == act.scalar_type(), op,
+                    ": act and up must be floating tensors of one shape and dtype, got ", act.sizes(), " ",
+                    act.scalar_type(), " and ", up.sizes(), " ", up.scalar_type());
+  TORCH_CHECK_VALUE(slots >= 0, op, ": slots must be >= 0, got ", slots);
+  const auto [rows, cols] = rows_and_columns(act);
+  TORCH_CHECK_VALUE(cols <= std::numeric_limits<int32_t>::max(), op, ": rows of ", cols, " columns do not fit int32");
+  at::Tensor columns = at::empty({rows, slots}, act.options().dtype(at::kInt));
+  at::Tensor up_at = at::empty({rows, slots}, up.options());
+  if (rows > 0 && slots > 0) {
+    at::Tensor rows_of_up = up.reshape({rows, cols});  // a view where it can be (a packed half: row stride 2 x cols)
+    if (rows_of_up.stride(1) != 1) rows_of_up = rows_of_up.contiguous();
+    if (cols > 0) {
+      gated_exceptions(act.contiguous(), rows_of_up, columns, up_at);
+    } else {
+      columns.fill_(-1);
+      up_at.zero_();
+    }
+  }
+  return {columns, up_at};
+}
+
 std::tuple<at::Tensor, at::Tensor> gated_backward_op(const at::Tensor& grad, const at::Tensor& gate,
                                                      const at::Tensor& second, c10::string_view kind,
-                                                     const std::optional<at::Tensor>& act) {
+                                                     const std::optional<at::Tensor>& act,
+                                                     const std::optional<at::Tensor>& columns,
+                                                     const std::optional<at::Tensor>& up_at) {
   check_float("gated_backward", "grad", grad);
   const Activation activation = activation_of("gated_backward", kind);
   check_like("gate", gate, grad);
   check_like("second", second, grad);
-  at::Tensor forward_act;
+  at::Tensor forward_act, found, kept;
   if (act.has_value()) {
     check_like("act", *act, grad);
     forward_act = act->contiguous();
+  }
+  TORCH_CHECK_VALUE(columns.has_value() == up_at.has_value() && (!columns.has_value() || act.has_value()),
+                    "gated_backward: columns and up_at come together, and with act (gated_exceptions' output)");
+  if (columns.has_value()) {
+    check_tensor("gated_backward", "columns", *columns);
+    check_tensor("gated_backward", "up_at", *up_at);
+    const int64_t rows = rows_and_columns(grad).first;
+    TORCH_CHECK_VALUE(columns->scalar_type() == at::kInt && columns->dim() == 2 && columns->size(0) == rows &&
+                          up_at->sizes() == columns->sizes(),
+                      "gated_backward: expected int32 columns and up_at of one shape (", rows, ", slots), got ",
+                      columns->sizes(), " ", columns->scalar_type(), " and ", up_at->sizes(), " ",
+                      up_at->scalar_type());
+    TORCH_CHECK_VALUE(up_at->scalar_type() == grad.scalar_type(), "gated_backward: up_at must be ",
+                      grad.scalar_type(), ", got ", up_at->scalar_type());
+    found = columns->contiguous();
+    kept = up_at->contiguous();
   }
   at::Tensor g = grad.contiguous();
   at::Tensor grad_gate = at::empty_like(g, at::MemoryFormat::Contiguous);
   at::Tensor grad_up = at::empty_like(g, at::MemoryFormat::Contiguous);
   if (g.numel() > 0) {
-    gated_backward(g, gate.contiguous(), second.contiguous(), forward_act, activation, grad_gate, grad_up);
+    gated_backward(g, gate.contiguous(), second.contiguous(), forward_act, found, kept, activation, grad_gate, grad_up);
   }
   return {grad_gate, grad_up};
 }
@@ -397,6 +448,7 @@ TORCH_LIBRARY_IMPL(lowmem, LOWMEM_DISPATCH_KEY, m) {
   m.impl("norm_forward", &lowmem::norm_forward_op);
   m.impl("norm_affine_forward", &lowmem::norm_affine_forward_op);
   m.impl("norm_backward", &lowmem::norm_backward_op);
+  m.impl("gated_exceptions", &lowmem::gated_exceptions_op);
   m.impl("gated_backward", &lowmem::gated_backward_op);
   m.impl("dropout", &lowmem::dropout_op);
   m.impl("dropout_input_and_grad", &lowmem::dropout_input_and_grad_op);

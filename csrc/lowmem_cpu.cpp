@@ -1145,16 +1145,67 @@ void norm_backward(const at::Tensor& grad, const at::Tensor& z, const at::Tensor
   });
 }
 
+// One row at a time: its zeros in order, until the row's slots are full.
+template <typename T>
+void gated_exceptions_kernel(const T* act, const T* up, int64_t up_row_stride, int64_t rows, int64_t cols,
+                             int64_t slots, int32_t* columns, T* up_at) {
+  using acc_t = at::opmath_type<T>;
+  at::parallel_for(0, rows, std::max<int64_t>(1, 32768 / std::max<int64_t>(cols, 1)), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* a = act + r * cols;
+      int32_t* found = columns + r * slots;
+      T* kept = up_at + r * slots;
+      int64_t n = 0;
+      for (int64_t c = 0; c < cols && n < slots; ++c) {
+        if (static_cast<acc_t>(a[c]) == acc_t(0)) {
+          found[n] = static_cast<int32_t>(c);
+          kept[n++] = up[r * up_row_stride + c];
+        }
+      }
+      for (; n < slots; ++n) {
+        found[n] = -1;
+        kept[n] = T(0);
+      }
+    }
+  });
+}
+
+void gated_exceptions(const at::Tensor& act, const at::Tensor& up, at::Tensor& columns, at::Tensor& up_at) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, act.scalar_type(), "gated_exceptions", [&] {
+    gated_exceptions_kernel<scalar_t>(act.const_data_ptr<scalar_t>(), up.const_data_ptr<scalar_t>(), up.stride(0),
+                                      up.size(0), up.size(1), columns.size(1), columns.mutable_data_ptr<int32_t>(),
+                                      up_at.mutable_data_ptr<scalar_t>());
+  });
+}
+
+// The gate gradient at the forward's exceptions (gated_exceptions), which the kernel took up = 0 at.
+template <Activation kKind, typename T>
+void gated_exceptions_backward(const T* grad, const T* gate, const int32_t* columns, const T* up_at, int64_t rows,
+                               int64_t slots, int64_t cols, T* grad_gate) {
+  using acc_t = at::opmath_type<T>;
+  at::parallel_for(0, rows, 1024, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      for (int64_t s = 0; s < slots && columns[r * slots + s] >= 0; ++s) {
+        const int64_t e = r * cols + columns[r * slots + s];
+        grad_gate[e] = static_cast<T>(exception_grad_gate<kKind, CpuMath>(
+            static_cast<acc_t>(grad[e]), static_cast<acc_t>(gate[e]), static_cast<acc_t>(up_at[r * slots + s])));
+      }
+    }
+  });
+}
+
 void gated_backward(const at::Tensor& grad, const at::Tensor& gate, const at::Tensor& second, const at::Tensor& act,
-                    Activation kind, at::Tensor& grad_gate, at::Tensor& grad_up) {
+                    const at::Tensor& columns, const at::Tensor& up_at, Activation kind, at::Tensor& grad_gate,
+                    at::Tensor& grad_up) {
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(), "gated_backward", [&] {
     dispatch_activation(kind, [&](auto activation) {
       constexpr Activation kKind = decltype(activation)::value;
+      const scalar_t *g = grad.const_data_ptr<scalar_t>(), *x = gate.const_data_ptr<scalar_t>(),
+                     *s = second.const_data_ptr<scalar_t>();
+      scalar_t *dg = grad_gate.mutable_data_ptr<scalar_t>(), *du = grad_up.mutable_data_ptr<scalar_t>();
       const auto run = [&](auto recover) {
         constexpr bool kRecoverUp = decltype(recover)::value;
-        const scalar_t *g = grad.const_data_ptr<scalar_t>(), *x = gate.const_data_ptr<scalar_t>(),
-                       *s = second.const_data_ptr<scalar_t>(), *a = kRecoverUp ? act.const_data_ptr<scalar_t>() : nullptr;
-        scalar_t *dg = grad_gate.mutable_data_ptr<scalar_t>(), *du = grad_up.mutable_data_ptr<scalar_t>();
+        const scalar_t* a = kRecoverUp ? act.const_data_ptr<scalar_t>() : nullptr;
         if constexpr (std::is_same_v<scalar_t, at::opmath_type<scalar_t>>) {
           gated_backward_kernel<kKind, kRecoverUp>(g, x, s, a, grad.numel(), dg, du);
         } else {
@@ -1165,6 +1216,10 @@ void gated_backward(const at::Tensor& grad, const at::Tensor& gate, const at::Te
         run(std::true_type());
       } else {
         run(std::false_type());
+      }
+      if (columns.defined() && columns.numel() > 0) {
+        gated_exceptions_backward<kKind>(g, x, columns.const_data_ptr<int32_t>(), up_at.const_data_ptr<scalar_t>(),
+                                         columns.size(0), columns.size(1), grad.dim() ? grad.size(-1) : 1, dg);
       }
     });
   });

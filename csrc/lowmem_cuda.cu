@@ -173,6 +173,64 @@ __global__ void gated_backward_kernel(const T* __restrict__ grad, const T* __res
   }
 }
 
+// A warp per row, 8 x 32 columns a step, each load coalesced; the step's zeros (rare) take the row's next slots in
+// column order (a ballot per 32).
+template <typename T>
+__global__ void gated_exceptions_kernel(const T* __restrict__ act, const T* __restrict__ up, int64_t up_row_stride,
+                                        int64_t rows, int64_t cols, int64_t slots, int32_t* __restrict__ columns,
+                                        T* __restrict__ up_at) {
+  using acc_t = at::opmath_type<T>;
+  constexpr int kWarp = 32, kSteps = 8;
+  const int lane = threadIdx.x % kWarp;
+  const unsigned before = (1u << lane) - 1u;
+  const int64_t warps = int64_t(gridDim.x) * blockDim.x / kWarp;
+  for (int64_t r = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) / kWarp; r < rows; r += warps) {
+    const T* a = act + r * cols;
+    int64_t n = 0;  // the row's zeros so far: the same in every lane
+    for (int64_t c0 = 0; c0 < cols && n < slots; c0 += kWarp * kSteps) {
+      bool zero[kSteps];
+      bool any = false;
+#pragma unroll
+      for (int k = 0; k < kSteps; ++k) {
+        const int64_t c = c0 + k * kWarp + lane;
+        zero[k] = c < cols && static_cast<acc_t>(a[c]) == acc_t(0);
+        any |= zero[k];
+      }
+      if (!__any_sync(0xffffffffu, any)) continue;
+#pragma unroll
+      for (int k = 0; k < kSteps; ++k) {
+        const unsigned mask = __ballot_sync(0xffffffffu, zero[k]);
+        const int64_t slot = n + __popc(mask & before);
+        if (zero[k] && slot < slots) {
+          const int64_t c = c0 + k * kWarp + lane;
+          columns[r * slots + slot] = static_cast<int32_t>(c);
+          up_at[r * slots + slot] = up[r * up_row_stride + c];
+        }
+        n += __popc(mask);
+      }
+    }
+    for (int64_t s = n + lane; s < slots; s += kWarp) {
+      columns[r * slots + s] = -1;
+      up_at[r * slots + s] = T(0);
+    }
+  }
+}
+
+// The gate gradient at the forward's exceptions (gated_exceptions), which gated_backward_kernel took up = 0 at.
+template <Activation kKind, typename T>
+__global__ void gated_exceptions_backward_kernel(const T* __restrict__ grad, const T* __restrict__ gate,
+                                                 const int32_t* __restrict__ columns, const T* __restrict__ up_at,
+                                                 int64_t count, int64_t slots, int64_t cols, T* __restrict__ grad_gate) {
+  using acc_t = at::opmath_type<T>;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < count; i += int64_t(gridDim.x) * blockDim.x) {
+    const int32_t c = columns[i];
+    if (c < 0) continue;
+    const int64_t e = i / slots * cols + c;
+    grad_gate[e] = static_cast<T>(exception_grad_gate<kKind, DeviceMath>(
+        static_cast<acc_t>(grad[e]), static_cast<acc_t>(gate[e]), static_cast<acc_t>(up_at[i])));
+  }
+}
+
 // The first `count` values, the rest padded with `pad` (+inf thresholds: never exceeded; the last level).
 template <typename acc_t>
 Table<acc_t> table_of(const double* values, int64_t count, int size, bool thresholds) {
@@ -306,18 +364,19 @@ void norm_backward(const at::Tensor& grad, const at::Tensor& z, const at::Tensor
 }
 
 void gated_backward(const at::Tensor& grad, const at::Tensor& gate, const at::Tensor& second, const at::Tensor& act,
-                    Activation kind, at::Tensor& grad_gate, at::Tensor& grad_up) {
+                    const at::Tensor& columns, const at::Tensor& up_at, Activation kind, at::Tensor& grad_gate,
+                    at::Tensor& grad_up) {
   const c10::cuda::CUDAGuard guard(grad.device());
   const int64_t blocks = elementwise_blocks(grad.numel());
+  const auto stream = c10::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(), "gated_backward", [&] {
     dispatch_activation(kind, [&](auto activation) {
       constexpr Activation kKind = decltype(activation)::value;
       const auto launch = [&](auto recover) {
-        gated_backward_kernel<kKind, decltype(recover)::value, scalar_t>
-            <<<blocks, kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
-                grad.const_data_ptr<scalar_t>(), gate.const_data_ptr<scalar_t>(), second.const_data_ptr<scalar_t>(),
-                act.defined() ? act.const_data_ptr<scalar_t>() : nullptr, grad.numel(),
-                grad_gate.mutable_data_ptr<scalar_t>(), grad_up.mutable_data_ptr<scalar_t>());
+        gated_backward_kernel<kKind, decltype(recover)::value, scalar_t><<<blocks, kThreads, 0, stream>>>(
+            grad.const_data_ptr<scalar_t>(), gate.const_data_ptr<scalar_t>(), second.const_data_ptr<scalar_t>(),
+            act.defined() ? act.const_data_ptr<scalar_t>() : nullptr, grad.numel(),
+            grad_gate.mutable_data_ptr<scalar_t>(), grad_up.mutable_data_ptr<scalar_t>());
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       };
       if (act.defined()) {
@@ -325,7 +384,27 @@ void gated_backward(const at::Tensor& grad, const at::Tensor& gate, const at::Te
       } else {
         launch(std::false_type());
       }
+      if (columns.defined() && columns.numel() > 0) {
+        gated_exceptions_backward_kernel<kKind, scalar_t><<<elementwise_blocks(columns.numel()), kThreads, 0, stream>>>(
+            grad.const_data_ptr<scalar_t>(), gate.const_data_ptr<scalar_t>(), columns.const_data_ptr<int32_t>(),
+            up_at.const_data_ptr<scalar_t>(), columns.numel(), columns.size(1), grad.dim() ? grad.size(-1) : 1,
+            grad_gate.mutable_data_ptr<scalar_t>());
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      }
     });
+  });
+}
+
+void gated_exceptions(const at::Tensor& act, const at::Tensor& up, at::Tensor& columns, at::Tensor& up_at) {
+  const c10::cuda::CUDAGuard guard(act.device());
+  constexpr int64_t kWarp = 32;
+  const int64_t rows = up.size(0);
+  const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>((rows * kWarp + kThreads - 1) / kThreads, kMaxBlocks));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, act.scalar_type(), "gated_exceptions", [&] {
+    gated_exceptions_kernel<scalar_t><<<blocks, kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+        act.const_data_ptr<scalar_t>(), up.const_data_ptr<scalar_t>(), up.stride(0), rows, up.size(1),
+        columns.size(1), columns.mutable_data_ptr<int32_t>(), up_at.mutable_data_ptr<scalar_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }
 

@@ -109,10 +109,16 @@ void dropout_input_and_grad(const at::Tensor& x, const at::Tensor& scale, const 
 // generators govern it as they govern stock dropout. Returns the seed.
 PhiloxSeed dropout_draw(const at::Tensor& x, double p, at::Tensor& out);
 
+// Where act == 0, per row (act's last dimension, rows x slots outputs): the first columns (int32, ascending, -1 past
+// the row's last) and up there (0 past the last). act contiguous; up rows x cols with unit column stride.
+void gated_exceptions(const at::Tensor& act, const at::Tensor& up, at::Tensor& columns, at::Tensor& up_at);
+
 // Gradients of h = act(gate) * up (kind: silu, gelu or gelu_tanh) from grad = dL/dh. An undefined `act`:
 // `second` is up and act is evaluated here; else `act` holds the forward's act(gate) and `second` is h,
-// from which up = h / act. All tensors one dtype.
+// from which up = h / act where act != 0, and where act == 0 up is up_at at its slot in `columns` (both from
+// gated_exceptions; undefined: 0). All tensors but `columns` one dtype.
 void gated_backward(const at::Tensor& grad, const at::Tensor& gate, const at::Tensor& second, const at::Tensor& act,
-                    Activation kind, at::Tensor& grad_gate, at::Tensor& grad_up);
+                    const at::Tensor& columns, const at::Tensor& up_at, Activation kind, at::Tensor& grad_gate,
+                    at::Tensor& grad_up);
 
 }  // namespace lowmem

@@ -215,4 +215,13 @@ LOWMEM_HD void gated_grads(V grad, V value, V slope, V second, V& grad_gate, V& 
   grad_gate = grad * up * slope;
 }
 
+// grad_gate where act(g) == 0 and u is known (kept by the forward, gated_exceptions): dh * u * act'(g), what
+// gated_grads gives when it need not recover u.
+template <Activation kKind, typename M, typename V>
+LOWMEM_HD V exception_grad_gate(V grad, V gate, V up) {
+  V value, slope;
+  activation_and_slope<kKind, M>(gate, value, slope);
+  return grad * up * slope;
+}
+
 }  // namespace lowmem

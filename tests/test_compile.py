@@ -34,6 +34,7 @@ def op_samples(dtype: torch.dtype) -> dict[str, list[tuple]]:
     z, rstd = torch_ops.norm_forward(x, 40, 1e-5, True, dtype)
     four_bit = tuple(float(t) for t in torch.linspace(-3, 3, 15))
     gate, up = torch.randn_like(x), torch.randn_like(x)
+    gate[0, 1, [2, 9]] = 0.0  # act(gate) == 0: gated_exceptions' columns
     act = torch_ops.stock_activation(gate, "gelu")
     scale, shift = torch.randn(40), torch.randn(40)
     scale[3] = 0.0
@@ -63,7 +64,12 @@ def op_samples(dtype: torch.dtype) -> dict[str, list[tuple]]:
             (torch.randn_like(x), y, rstd_y, scale, shift, columns, exact, 40, True, dtype),
             (torch.randn_like(x), y, rstd_y, None, shift, columns, exact, 40, True, torch.float32),
         ],
-        "gated_backward": [(x, gate, up, "silu", None), (x, gate, act * up, "gelu", act)],
+        "gated_exceptions": [(act, up, 2), (act[..., :7], up[..., :7], 1)],
+        "gated_backward": [
+            (x, gate, up, "silu", None),
+            (x, gate, act * up, "gelu", act),
+            (x, gate, act * up, "gelu", act, *torch_ops.gated_exceptions(act, up, 2)),
+        ],
         "stock_activation": [(gate, "gelu_tanh"), (gate[..., ::2], "silu")],
         "dropout": [(x, 0.1, torch.tensor([7], dtype=torch.int64)), (x[..., ::3], 0.5, torch.tensor([2**40]))],
         "dropout_input_and_grad": [

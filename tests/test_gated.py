@@ -14,7 +14,7 @@ from lightning_lowmem.functional import gated_activation
 from lightning_lowmem.kernels import torch_ops
 from lightning_lowmem.memory import SavedTensorMeter
 from lightning_lowmem.nn import GatedMLP, TimmGluMlp
-from lightning_lowmem.ops.gated import exception_slots, forward_activation
+from lightning_lowmem.ops.gated import exception_bytes, exception_slots, forward_activation
 
 KINDS = {
     "silu": F.silu,
@@ -111,8 +111,8 @@ def test_saves_gate_and_up_or_gate_and_output(mode, recorder):
         gate.untyped_storage().data_ptr(),
         second.untyped_storage().data_ptr(),
     ]
-    exceptions = [(t.dtype, t.shape) for t in saved.saved[2:]]  # gate mode: where act is 0, up * act' kept
-    assert exceptions == ([(torch.int64, (4,)), (torch.float32, (4,))] if mode == "gate" else [])
+    exceptions = [(t.dtype, t.shape) for t in saved.saved[2:]]  # gate mode: where act is 0, up kept (a slot a row)
+    assert exceptions == ([(torch.int32, (4, 1)), (torch.float32, (4, 1))] if mode == "gate" else [])
 
 
 def test_gate_mode_shares_the_output_with_a_trainable_consumer(recorder):
@@ -124,7 +124,7 @@ def test_gate_mode_shares_the_output_with_a_trainable_consumer(recorder):
     assert len(activations) == 2 + 2  # gate, the product both the op and the linear saved, and the exceptions
     with SavedTensorMeter() as meter:
         down(gated_activation(gate, up, "silu", "gate"))
-    assert meter.total_bytes == 2 * 4 * 64 * 4 + 12 * exception_slots((4, 64))
+    assert meter.total_bytes == 2 * 4 * 64 * 4 + exception_bytes((4, 64), torch.float32) == 2 * 4 * 64 * 4 + 4 * 8
 
 
 @pytest.mark.parametrize("kind", ["silu", "gelu", "gelu_tanh"])
@@ -161,15 +161,18 @@ def test_where_the_activation_is_zero_gate_mode_keeps_up(kind, dtype):
 
 
 def test_gate_mode_keeps_a_fixed_number_of_exception_slots():
-    """12 bytes (an int64 index, an fp32 factor) per slot, one slot per row's 512 elements (at least one a row): at
-    LLaMA-2-7B's width 11,008, 22 a row, 0.024 bytes an element."""
+    """An int32 column and ``up`` per slot (8 bytes in fp32, 6 in bf16), one slot per row's 512 elements (at least one
+    a row): at LLaMA-2-7B's width 11,008, 22 a row, 0.012 bytes an element in bf16."""
     gate, up = (torch.randn(4, 512, 64, requires_grad=True) for _ in range(2))
     assert exception_slots((3, 11008)) == 3 * 22
     with SavedTensorMeter() as meter:
         gated_activation(gate, up, "silu", "gate")
     assert (
-        meter.total_bytes == 2 * gate.numel() * 4 + 12 * exception_slots(gate.shape) == 2 * 512 * 256 * 4 + 12 * 4 * 512
+        meter.total_bytes
+        == 2 * gate.numel() * 4 + exception_bytes(gate.shape, torch.float32)
+        == 2 * 512 * 256 * 4 + 8 * 4 * 512
     )
+    assert exception_bytes((3, 11008), torch.bfloat16) == 6 * 3 * 22
 
 
 def test_mixed_dtypes_promote_and_no_grad_saves_nothing(recorder):
@@ -228,6 +231,61 @@ def test_compiled_backward_matches_reference(kernel_backend, kind, recover_up, d
             torch.testing.assert_close(g, e, **tolerance)
 
 
+def zeros_at(gate: torch.Tensor, every: int) -> torch.Tensor:
+    """``gate`` with a zero at every ``every``-th element and a run of them in its first row: rows past their slots,
+    rows with none, and ``act == 0`` where ``act'`` is not (``gate == 0``)."""
+    gate = gate.clone()
+    gate.view(-1)[::every] = 0.0
+    gate.view(-1)[: min(40, gate.numel())] = 0.0
+    return gate
+
+
+@pytest.mark.parametrize("shape", [(), (5,), (3, 1100), (2, 3, 40), (4, 0), (0, 8), (6, 4097)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_compiled_exceptions_match_reference(kernel_backend, shape, dtype):
+    """Each row's first ``slots`` zeros of ``act`` (by column, int32, -1 after) and ``up`` at them, bit for bit; ``up``
+    a packed half (a row stride of two rows) as timm's fc1 gives it."""
+    gate, _, _ = inputs(shape, dtype, kernel_backend.device)
+    gate = zeros_at(gate, 97) if gate.numel() else gate
+    act = torch_ops.stock_activation(gate, "silu")
+    packed = torch.randn(*shape[:-1], 2 * shape[-1], dtype=dtype, device=gate.device) if shape else None
+    ups = [torch.randn_like(act)] + ([packed[..., shape[-1] :]] if shape else [])
+    for up in ups:
+        for slots in (0, 1, 3, 64):
+            got = kernel_backend.module.gated_exceptions(act, up, slots)
+            expected = torch_ops.gated_exceptions(act, up, slots)
+            assert [(t.dtype, t.shape) for t in got] == [(torch.int32, expected[0].shape), (dtype, expected[1].shape)]
+            assert all(torch.equal(g.cpu(), e.cpu()) for g, e in zip(got, expected)), (shape, slots)
+    if act.numel() > 40:  # a full row and unused slots both seen
+        full, roomy = (torch_ops.gated_exceptions(act, up, slots)[0] for slots in (3, 64))
+        assert (full[0] >= 0).all() and (roomy == -1).any()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_compiled_backward_with_exceptions_matches_reference(kernel_backend, kind, dtype):
+    """Where ``act == 0`` the gate gradient takes ``up`` from the forward's slots (the rest past them: ``up = 0``)."""
+    tolerance = (
+        {"atol": 2e-2, "rtol": 2e-2} if dtype in (torch.float16, torch.bfloat16) else {"atol": 1e-5, "rtol": 1e-5}
+    )
+    for shape in [(3, 1100), (2, 3, 40), (5,), (0, 8)]:
+        gate, up, grad = inputs(shape, dtype, kernel_backend.device)
+        gate = zeros_at(gate, 53) if gate.numel() else gate
+        act = torch_ops.stock_activation(gate, kind)
+        exceptions = torch_ops.gated_exceptions(act, up, 2)
+        got = kernel_backend.module.gated_backward(grad, gate, act * up, kind, act, *exceptions)
+        expected = torch_ops.gated_backward(grad, gate, act * up, kind, act, *exceptions)
+        for g, e in zip(got, expected):
+            torch.testing.assert_close(g, e, **tolerance)
+        columns = exceptions[0].long().cpu()
+        kept = torch.zeros(columns.shape[0], shape[-1] + 1, dtype=torch.bool)
+        kept = kept.scatter_(1, columns.where(columns >= 0, shape[-1]), True)[:, :-1].reshape(shape)
+        without = kernel_backend.module.gated_backward(grad, gate, act * up, kind, act)[0]
+        changed = (got[0] != without).cpu()  # the slots changed the gate gradient at them only
+        assert not (changed & ~kept).any()
+        assert changed[kept & (gate == 0).cpu() & (up != 0).cpu() & (grad != 0).cpu()].all()  # grad * up / 2 there
+
+
 def test_compiled_backward_rejects_bad_arguments(kernel_backend):
     x = torch.randn(8, device=kernel_backend.device)
     for ext in (kernel_backend.module, torch_ops):
@@ -239,6 +297,16 @@ def test_compiled_backward_rejects_bad_arguments(kernel_backend):
             ext.gated_backward(x, x.double(), x, "silu", None)
         with pytest.raises((TypeError, ValueError), match="gated_backward: .*dtype"):
             ext.gated_backward(x, x, x, "silu", x.half())
+        columns, up_at = torch_ops.gated_exceptions(x.cpu(), x.cpu(), 1)
+        columns, up_at = columns.to(x.device), up_at.to(x.device)
+        with pytest.raises(ValueError, match="gated_backward: columns and up_at come together"):
+            ext.gated_backward(x, x, x, "silu", None, columns, up_at)
+        with pytest.raises(ValueError, match="gated_backward: expected int32 columns"):
+            ext.gated_backward(x, x, x, "silu", x, columns.long(), up_at)
+        with pytest.raises(ValueError, match="gated_exceptions: act and up must be"):
+            ext.gated_exceptions(x, x[:4], 1)
+        with pytest.raises(ValueError, match="gated_exceptions: slots must be >= 0"):
+            ext.gated_exceptions(x, x, -1)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -346,7 +414,7 @@ def test_llama_mlp_with_lora_saves_the_formula(x_dtype):
     model = copy.deepcopy(stock)
     report = apply_lowmem(model, norm=False)
     assert report.status("base_model.model.mlp") == "converted"
-    exceptions = 12 * (exception_slots((48, intermediate)) - exception_slots((16, intermediate))) / 32
+    exceptions = (exception_bytes((48, intermediate), torch.bfloat16) - exception_bytes((16, intermediate), torch.bfloat16)) / 32
     assert bytes_per_token(model, hidden, x_dtype) == 4 * intermediate + 2 * hidden + 3 * 2 * rank + exceptions
     assert bytes_per_token(stock, hidden, x_dtype) >= 8 * intermediate
 
@@ -471,7 +539,7 @@ def test_packed_glu_saves_a_copy_of_the_gate_not_both_halves():
         return (totals[1] - totals[0]) / 16
 
     assert per_token(stock) == 4 * hidden + 16 * intermediate
-    exceptions = 12 * (exception_slots((24, intermediate)) - exception_slots((8, intermediate))) / 16
+    exceptions = (exception_bytes((24, intermediate), torch.float32) - exception_bytes((8, intermediate), torch.float32)) / 16
     assert per_token(model) == 4 * hidden + 8 * intermediate + exceptions
 
 

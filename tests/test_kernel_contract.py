@@ -36,6 +36,7 @@ def test_the_contract_lists_every_op_and_the_operators_add_only_the_opaque_stock
             "norm_exact_columns",
             "norm_output_forward",
             "norm_output_backward",
+            "gated_exceptions",
             "gated_backward",
             "dropout",
             "dropout_input_and_grad",

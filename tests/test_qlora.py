@@ -16,7 +16,7 @@ from benchmarks.qlora import ALL_LINEARS, bf16, held_bytes
 from lightning_lowmem.lightning import LowMemBP
 from lightning_lowmem.memory import SavedTensorMeter
 from lightning_lowmem.nn import GatedMLP, MemorySharingNorm
-from lightning_lowmem.ops.gated import exception_slots
+from lightning_lowmem.ops.gated import exception_bytes
 from lightning_lowmem.surgery import apply_lowmem, plan
 
 bnb = pytest.importorskip("bitsandbytes", minversion="0.46", reason="QLoRA on CPU needs bitsandbytes >= 0.46")
@@ -115,7 +115,7 @@ def test_qlora_nf4_saves_what_the_formula_says_outside_attention(tmp_path):
         model(x)
     rows = x.numel()
     norms = (2 * LAYERS + 1) * (rows * HIDDEN * 2 + rows * 4) - rows * 4
-    mlps = LAYERS * (2 * rows * INTERMEDIATE * 2 + 12 * exception_slots((rows, INTERMEDIATE)))  # + up where act is 0
+    mlps = LAYERS * (2 * rows * INTERMEDIATE * 2 + exception_bytes((rows, INTERMEDIATE), torch.bfloat16))  # + up where act is 0
     lora_b = LAYERS * len(ALL_LINEARS) * rows * RANK * 2
     outside_attention = sum(r.nbytes for r in meter.records if not r.module.endswith("self_attn"))
     assert outside_attention == norms + mlps + lora_b

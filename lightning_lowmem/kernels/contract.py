@@ -114,15 +114,31 @@ class KernelContract(Protocol):
         """``norm_backward``'s input gradient with ``z = (y - shift) / scale`` rebuilt from the saved output,
         except at ``columns`` (ascending int64 indices, each once), whose ``z`` is ``exact``."""
 
+    def gated_exceptions(self, act: torch.Tensor, up: torch.Tensor, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(columns, up_at)`` where ``act == 0`` (``act`` the forward's ``act(gate)``, ``up`` its other factor: one
+        shape and dtype): there ``h = act * up`` holds nothing of ``up``. Per row (the last dimension), the first
+        ``slots`` such columns in ascending order (int32, ``-1`` in the slots past the row's last) and ``up`` at them
+        (``up``'s dtype, 0 past the last), each of shape ``(rows, slots)``. A fixed size: nothing read back to the
+        host; one pass over ``act`` (``up`` is read at the columns only)."""
+
     def gated_backward(
-        self, grad: torch.Tensor, gate: torch.Tensor, second: torch.Tensor, kind: str, act: torch.Tensor | None
+        self,
+        grad: torch.Tensor,
+        gate: torch.Tensor,
+        second: torch.Tensor,
+        kind: str,
+        act: torch.Tensor | None,
+        columns: torch.Tensor | None = None,
+        up_at: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(grad_gate, grad_up)`` of ``h = act(gate) * up`` (all tensors one dtype and shape), computed in the
         accumulate dtype with ``act'`` evaluated from ``gate``. With ``act=None``, ``second`` is ``up`` and
         ``act`` is evaluated from ``gate`` too (rounded to the dtype, as the forward's product saw it).
         Otherwise ``act`` is the forward's own ``act(gate)`` tensor and ``second`` the output ``h``, from which
-        ``up = h / act`` (0 where ``act == 0``): only the very bits the forward multiplied with recover ``up``
-        to rounding (a recomputed ``act`` one ulp off costs ~1e-5 relative error in GELU's negative tail)."""
+        ``up = h / act`` where ``act != 0``: only the very bits the forward multiplied with recover ``up``
+        to rounding (a recomputed ``act`` one ulp off costs ~1e-5 relative error in GELU's negative tail). Where
+        ``act == 0``, ``up`` is ``up_at`` at the row's slot holding that column (``columns`` and ``up_at``: the
+        forward's :meth:`gated_exceptions`), else 0."""
 
     def dropout(self, x: torch.Tensor, p: float, seed: torch.Tensor) -> torch.Tensor:
         """``x * keep / (1 - p)`` (``0 <= p < 1``) in the accumulate dtype, returned contiguous in ``x``'s dtype:

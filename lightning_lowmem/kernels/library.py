@@ -61,7 +61,11 @@ SCHEMAS = {
         "(Tensor grad, Tensor y, Tensor rstd, Tensor? scale, Tensor? shift, Tensor columns, Tensor exact, int dim,"
         " bool center, ScalarType dtype) -> Tensor"
     ),
-    "gated_backward": "(Tensor grad, Tensor gate, Tensor second, str kind, Tensor? act) -> (Tensor, Tensor)",
+    "gated_exceptions": "(Tensor act, Tensor up, int slots) -> (Tensor, Tensor)",
+    "gated_backward": (
+        "(Tensor grad, Tensor gate, Tensor second, str kind, Tensor? act, Tensor? columns=None, Tensor? up_at=None)"
+        " -> (Tensor, Tensor)"
+    ),
     "stock_activation": "(Tensor x, str kind) -> Tensor",
     "dropout": "(Tensor x, float p, Tensor seed) -> Tensor",
     "dropout_input_and_grad": (
@@ -217,11 +221,24 @@ def _norm_output_backward_fake(
     return y.new_empty(y.shape, dtype=dtype)
 
 
+@_fake("gated_exceptions")
+def _gated_exceptions_fake(act: torch.Tensor, up: torch.Tensor, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+    torch_ops.check_gated_exceptions(act, up, slots)
+    rows, _ = torch_ops.rows_and_columns(act)
+    return act.new_empty((rows, slots), dtype=torch.int32), up.new_empty((rows, slots))
+
+
 @_fake("gated_backward")
 def _gated_backward_fake(
-    grad: torch.Tensor, gate: torch.Tensor, second: torch.Tensor, kind: str, act: torch.Tensor | None
+    grad: torch.Tensor,
+    gate: torch.Tensor,
+    second: torch.Tensor,
+    kind: str,
+    act: torch.Tensor | None,
+    columns: torch.Tensor | None = None,
+    up_at: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    torch_ops.check_gated(grad, gate, second, kind, act)
+    torch_ops.check_gated(grad, gate, second, kind, act, columns, up_at)
     like = torch.empty_like(grad, memory_format=torch.contiguous_format)
     return like, torch.empty_like(like)
 

@@ -116,27 +116,84 @@ def activation_and_slope(g: torch.Tensor, kind: str) -> tuple[torch.Tensor, torc
 
 
 def check_gated(
-    grad: torch.Tensor, gate: torch.Tensor, second: torch.Tensor, kind: str, act: torch.Tensor | None
+    grad: torch.Tensor,
+    gate: torch.Tensor,
+    second: torch.Tensor,
+    kind: str,
+    act: torch.Tensor | None,
+    columns: torch.Tensor | None = None,
+    up_at: torch.Tensor | None = None,
 ) -> None:
-    """The arguments of gated_backward make sense: a known kind, one shape and dtype for all tensors."""
+    """The arguments of gated_backward make sense: a known kind, one shape and dtype for all tensors, exceptions
+    (both or neither) of a product with ``act``."""
     if kind not in KINDS:
         raise ValueError(f"gated_backward: unknown activation kind {kind!r}; expected one of {', '.join(KINDS)}")
     tensors = (grad, gate, second) if act is None else (grad, gate, second, act)
     if any(t.shape != grad.shape or t.dtype != grad.dtype for t in tensors):
         described = ", ".join(f"{tuple(t.shape)} {t.dtype}" for t in tensors)
         raise ValueError(f"gated_backward: grad, gate, second (and act) must share shape and dtype, got {described}")
+    if (columns is None) != (up_at is None) or (columns is not None and act is None):
+        raise ValueError("gated_backward: columns and up_at come together, and with act (gated_exceptions' output)")
+    if columns is not None:
+        rows, _ = rows_and_columns(grad)
+        if columns.dtype != torch.int32 or columns.dim() != 2 or columns.shape[0] != rows or up_at.shape != columns.shape:
+            raise ValueError(
+                f"gated_backward: expected int32 columns and up_at of one shape ({rows}, slots), got "
+                f"{tuple(columns.shape)} {columns.dtype} and {tuple(up_at.shape)} {up_at.dtype}"
+            )
+        if up_at.dtype != grad.dtype:
+            raise ValueError(f"gated_backward: up_at must be {grad.dtype}, got {up_at.dtype}")
+
+
+def rows_and_columns(x: torch.Tensor) -> tuple[int, int]:
+    """``x`` as rows of its last dimension (a scalar: one row of one)."""
+    return (math.prod(x.shape[:-1]), x.shape[-1]) if x.dim() else (1, 1)
+
+
+def check_gated_exceptions(act: torch.Tensor, up: torch.Tensor, slots: int) -> None:
+    if act.shape != up.shape or act.dtype != up.dtype or not act.is_floating_point():
+        raise ValueError(
+            f"gated_exceptions: act and up must be floating tensors of one shape and dtype, got {tuple(act.shape)} "
+            f"{act.dtype} and {tuple(up.shape)} {up.dtype}"
+        )
+    if slots < 0:
+        raise ValueError(f"gated_exceptions: slots must be >= 0, got {slots}")
+
+
+def gated_exceptions(act: torch.Tensor, up: torch.Tensor, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+    check_gated_exceptions(act, up, slots)
+    rows, cols = rows_and_columns(act)
+    zero = (act == 0).reshape(rows, cols)
+    rank = zero.cumsum(-1)  # each zero's 1-based place in its row
+    slot = torch.where(zero & (rank <= slots), rank - 1, slots)  # the rest: a scratch column, sliced off
+    index = torch.arange(cols, dtype=torch.int32, device=act.device).expand(rows, cols)
+    columns = torch.full((rows, slots + 1), -1, dtype=torch.int32, device=act.device).scatter_(1, slot, index)
+    up_at = up.new_zeros(rows, slots + 1).scatter_(1, slot, up.reshape(rows, cols))
+    return columns[:, :slots].contiguous(), up_at[:, :slots].contiguous()
 
 
 def gated_backward(
-    grad: torch.Tensor, gate: torch.Tensor, second: torch.Tensor, kind: str, act: torch.Tensor | None
+    grad: torch.Tensor,
+    gate: torch.Tensor,
+    second: torch.Tensor,
+    kind: str,
+    act: torch.Tensor | None,
+    columns: torch.Tensor | None = None,
+    up_at: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    check_gated(grad, gate, second, kind, act)
+    check_gated(grad, gate, second, kind, act, columns, up_at)
     acc = accumulate_dtype(grad.dtype)
     value, slope = activation_and_slope(gate.to(acc), kind)
     value = (value.to(grad.dtype) if act is None else act).to(acc)  # as the forward's product saw it
     up = second.to(acc)
     if act is not None:
-        up = torch.where(value != 0, up / value, torch.zeros_like(up))
+        kept = torch.zeros_like(up)
+        if columns is not None and columns.numel():
+            cols = rows_and_columns(grad)[1]
+            scratch = up.new_zeros(columns.shape[0], cols + 1)  # unused slots land in the last column
+            at = torch.where(columns >= 0, columns, cols).long()
+            kept = scratch.scatter_(1, at, up_at.to(acc))[:, :cols].reshape(up.shape)
+        up = torch.where(value != 0, up / value, kept)
     grad_acc = grad.to(acc)
     return (grad_acc * up * slope).to(grad.dtype), (grad_acc * value).to(grad.dtype)
 

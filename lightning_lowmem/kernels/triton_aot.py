@@ -76,9 +76,13 @@ def launch_every_choice(ops: Any, device: torch.device | str = "cpu") -> None:
             thresholds = tuple(range((1 << bits) - 1))
             ops.act_codes(x, thresholds)
             ops.act_backward(x, torch_ops.act_codes(x, thresholds), (0.0,) * (len(thresholds) + 1))
+        exceptions = torch_ops.gated_exceptions(x, x, 2)
         for kind in torch_ops.KINDS:
             for act in (None, x):
                 ops.gated_backward(x, x, x, kind, act)
+            ops.gated_backward(x, x, x, kind, x, *exceptions)
+        for cols in sorted({min(triton_ops.MAX_NORM_BLOCK, max(triton_ops.MIN_ROW_BLOCK, n)) for n in lengths}):
+            ops.gated_exceptions(tensor(2, cols, dtype=dtype), tensor(2, cols, dtype=dtype), 2)
         for p in (0.1, 0.5):  # the threshold an int32, then an int64
             ops.dropout(x, p, seed)
         ops.dropout(x, 0.1, torch.tensor([1, 2**40], device=device))  # a key and a first counter

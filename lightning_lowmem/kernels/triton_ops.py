@@ -141,6 +141,26 @@ def _sigmoid(x):
 
 
 @triton.jit
+def _activation_and_slope(gate, KIND: tl.constexpr):
+    # act(gate) and act'(gate) by the formulas of csrc/lowmem_math.h; tanh-GELU through
+    # 0.5 * (1 + tanh(u)) = sigmoid(2u), the same function without a tanh (which Triton's interpreter lacks).
+    if KIND == "silu":
+        s = _sigmoid(gate)
+        value = gate * s
+        slope = s * (1.0 + gate * (1.0 - s))
+    elif KIND == "gelu":
+        cdf = 0.5 * (1.0 + tl.math.erf(gate * 0.7071067811865476))  # 1 / sqrt(2)
+        value = gate * cdf
+        slope = cdf + gate * tl.exp(-0.5 * gate * gate) * 0.3989422804014327  # 1 / sqrt(2 pi)
+    else:
+        k = 0.7978845608028654  # sqrt(2 / pi)
+        s = _sigmoid(2.0 * k * (gate + 0.044715 * gate * gate * gate))
+        value = gate * s
+        slope = s + 2.0 * k * gate * s * (1.0 - s) * (1.0 + 3.0 * 0.044715 * gate * gate)
+    return value, slope
+
+
+@triton.jit
 def _gated_backward_kernel(
     grad_ptr,
     gate_ptr,
@@ -158,21 +178,7 @@ def _gated_backward_kernel(
     grad = tl.load(grad_ptr + index, mask=inside, other=0.0).to(tl.float32)
     gate = tl.load(gate_ptr + index, mask=inside, other=0.0).to(tl.float32)
     second = tl.load(second_ptr + index, mask=inside, other=0.0).to(tl.float32)
-    # act(gate) and act'(gate) by the formulas of csrc/lowmem_math.h; tanh-GELU through
-    # 0.5 * (1 + tanh(u)) = sigmoid(2u), the same function without a tanh (which Triton's interpreter lacks).
-    if KIND == "silu":
-        s = _sigmoid(gate)
-        value = gate * s
-        slope = s * (1.0 + gate * (1.0 - s))
-    elif KIND == "gelu":
-        cdf = 0.5 * (1.0 + tl.math.erf(gate * 0.7071067811865476))  # 1 / sqrt(2)
-        value = gate * cdf
-        slope = cdf + gate * tl.exp(-0.5 * gate * gate) * 0.3989422804014327  # 1 / sqrt(2 pi)
-    else:
-        k = 0.7978845608028654  # sqrt(2 / pi)
-        s = _sigmoid(2.0 * k * (gate + 0.044715 * gate * gate * gate))
-        value = gate * s
-        slope = s + 2.0 * k * gate * s * (1.0 - s) * (1.0 + 3.0 * 0.044715 * gate * gate)
+    value, slope = _activation_and_slope(gate, KIND)
     if RECOVER_UP:  # second is h = act * up, act the forward's own bits: up = h / act (0 where act == 0)
         value = tl.load(act_ptr + index, mask=inside, other=0.0).to(tl.float32)
         up = tl.where(value != 0.0, tl.math.div_rn(second, tl.where(value != 0.0, value, 1.0)), 0.0)
@@ -181,6 +187,47 @@ def _gated_backward_kernel(
         up = second
     tl.store(grad_gate_ptr + index, (grad * up * slope).to(grad_gate_ptr.dtype.element_ty), mask=inside)
     tl.store(grad_up_ptr + index, (grad * value).to(grad_up_ptr.dtype.element_ty), mask=inside)
+
+
+@triton.jit
+def _gated_exceptions_kernel(
+    act_ptr, up_ptr, columns_ptr, up_at_ptr, cols, up_row_stride, slots, BLOCK: tl.constexpr
+):
+    # One row per program, BLOCK columns a step: each zero's place among the row's zeros (a cumulative sum) is its
+    # slot, the first `slots` kept; then the unused slots filled
+    row = tl.program_id(0).to(tl.int64)
+    found = 0
+    for start in range(0, cols, BLOCK):
+        column = start + tl.arange(0, BLOCK)
+        inside = column < cols
+        zero = (tl.load(act_ptr + row * cols + column, mask=inside, other=1.0) == 0.0) & inside
+        place = found + tl.cumsum(zero.to(tl.int32), 0)  # 1-based among the row's zeros
+        keep = zero & (place <= slots)
+        up = tl.load(up_ptr + row * up_row_stride + column, mask=keep, other=0.0)
+        tl.store(columns_ptr + row * slots + place - 1, column.to(tl.int32), mask=keep)
+        tl.store(up_at_ptr + row * slots + place - 1, up, mask=keep)
+        found += tl.sum(zero.to(tl.int32), 0)
+    for start in range(0, slots, BLOCK):
+        slot = start + tl.arange(0, BLOCK)
+        unused = (slot >= found) & (slot < slots)
+        tl.store(columns_ptr + row * slots + slot, tl.full((BLOCK,), -1, tl.int32), mask=unused)
+        tl.store(up_at_ptr + row * slots + slot, tl.zeros((BLOCK,), up_at_ptr.dtype.element_ty), mask=unused)
+
+
+@triton.jit
+def _gated_exceptions_backward_kernel(
+    grad_ptr, gate_ptr, columns_ptr, up_at_ptr, grad_gate_ptr, count, slots, cols, KIND: tl.constexpr, BLOCK: tl.constexpr
+):
+    # The gate gradient at the forward's exceptions, which _gated_backward_kernel took up = 0 at
+    index = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    column = tl.load(columns_ptr + index, mask=index < count, other=-1)
+    used = column >= 0
+    element = index // slots * cols + column
+    grad = tl.load(grad_ptr + element, mask=used, other=0.0).to(tl.float32)
+    gate = tl.load(gate_ptr + element, mask=used, other=0.0).to(tl.float32)
+    up = tl.load(up_at_ptr + index, mask=used, other=0.0).to(tl.float32)
+    _, slope = _activation_and_slope(gate, KIND)
+    tl.store(grad_gate_ptr + element, (grad * up * slope).to(grad_gate_ptr.dtype.element_ty), mask=used)
 
 
 @triton.jit
@@ -471,22 +518,56 @@ def norm_backward(
     return grad_input, sums
 
 
+def gated_exceptions(act: torch.Tensor, up: torch.Tensor, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+    torch_ops.check_gated_exceptions(act, up, slots)
+    if act.dtype == torch.float64:
+        return torch_ops.gated_exceptions(act, up, slots)
+    _check_float("gated_exceptions", "act", act)
+    rows, cols = torch_ops.rows_and_columns(act)
+    columns = torch.empty((rows, slots), dtype=torch.int32, device=act.device)
+    up_at = up.new_empty((rows, slots))
+    if rows == 0 or slots == 0:
+        return columns, up_at
+    if cols == 0:
+        return columns.fill_(-1), up_at.zero_()
+    rows_of_up = up.reshape(rows, cols)  # a view where it can be (a packed half: row stride 2 x cols)
+    if rows_of_up.stride(1) != 1:
+        rows_of_up = rows_of_up.contiguous()
+    with _launching_on("gated_exceptions", act):
+        _gated_exceptions_kernel[(rows,)](
+            act.contiguous(), rows_of_up, columns, up_at, cols, rows_of_up.stride(0), slots,
+            BLOCK=min(MAX_NORM_BLOCK, max(MIN_ROW_BLOCK, triton.next_power_of_2(cols))),
+        )  # fmt: skip
+    return columns, up_at
+
+
 def gated_backward(
-    grad: torch.Tensor, gate: torch.Tensor, second: torch.Tensor, kind: str, act: torch.Tensor | None
+    grad: torch.Tensor,
+    gate: torch.Tensor,
+    second: torch.Tensor,
+    kind: str,
+    act: torch.Tensor | None,
+    columns: torch.Tensor | None = None,
+    up_at: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    torch_ops.check_gated(grad, gate, second, kind, act)
+    torch_ops.check_gated(grad, gate, second, kind, act, columns, up_at)
     if grad.dtype == torch.float64:
-        return torch_ops.gated_backward(grad, gate, second, kind, act)
+        return torch_ops.gated_backward(grad, gate, second, kind, act, columns, up_at)
     _check_float("gated_backward", "grad", grad)
-    grad = grad.contiguous()
+    grad, gate = grad.contiguous(), gate.contiguous()
     grad_gate, grad_up = torch.empty_like(grad), torch.empty_like(grad)
     if grad.numel() == 0:
         return grad_gate, grad_up
     with _launching_on("gated_backward", grad):
         _gated_backward_kernel[(triton.cdiv(grad.numel(), ELEMENTS_PER_PROGRAM),)](
-            grad, gate.contiguous(), second.contiguous(), None if act is None else act.contiguous(),
+            grad, gate, second.contiguous(), None if act is None else act.contiguous(),
             grad_gate, grad_up, grad.numel(), KIND=kind, RECOVER_UP=act is not None, BLOCK=ELEMENTS_PER_PROGRAM,
         )  # fmt: skip
+        if columns is not None and columns.numel():
+            _gated_exceptions_backward_kernel[(triton.cdiv(columns.numel(), ELEMENTS_PER_PROGRAM),)](
+                grad, gate, columns.contiguous(), up_at.contiguous(), grad_gate, columns.numel(), columns.shape[1],
+                torch_ops.rows_and_columns(grad)[1], KIND=kind, BLOCK=ELEMENTS_PER_PROGRAM,
+            )  # fmt: skip
     return grad_gate, grad_up
 
 

@@ -12,10 +12,11 @@ saves. This op saves two, or effectively one:
   saves ``h`` anyway (trainable, or LoRA on it), that is the same storage, so ``gate`` is the only
   extra activation. Exact up to the rounding of ``h`` to its dtype. Where ``act(gate) == 0``
   exactly (``gate == 0``: in bf16 a LoRA term can cancel the base's, 1 element in 1,000-10,000), ``h``
-  holds nothing of ``up``: the forward keeps ``up * act'(gate)`` there, for up to one element in
-  :data:`EXCEPTIONS_PER` of each row (``torch.nonzero_static``: a fixed size, no host synchronisation; 12 bytes a
-  slot, 0.023 bytes per element at LLaMA's widths), and the backward puts it in. Past that many (not seen in practice) the rest take
-  ``up = 0``, as a gradient of 0 there; ``gated="exact"`` (``mode="gate_up"``) saves ``up`` whole.
+  holds nothing of ``up``: the forward keeps ``up`` there, for up to one element in :data:`EXCEPTIONS_PER` of each
+  row (the kernels' ``gated_exceptions``: a fixed size, one pass, no host synchronisation; an int32 column and ``up``
+  in its dtype a slot, 6 bytes in bf16: 0.012 bytes per element at LLaMA's widths), and the backward kernel takes
+  it from there. Past that many in a row (not seen in practice) the rest take ``up = 0``, as a gradient of 0
+  there; ``gated="exact"`` (``mode="gate_up"``) saves ``up`` whole.
 """
 
 from __future__ import annotations
@@ -34,27 +35,22 @@ EXCEPTIONS_PER = 512
 """``mode="gate"`` keeps ``up`` exactly at up to one element in this many where ``act(gate)`` is 0."""
 
 
+def slots_per_row(columns: int) -> int:
+    """How many of a row's elements ``mode="gate"`` can keep ``up`` at: one in :data:`EXCEPTIONS_PER`, rounded up,
+    so that what it keeps grows linearly with the tokens (the memory model extrapolates it)."""
+    return -(-columns // EXCEPTIONS_PER)
+
+
 def exception_slots(shape: Sequence[int]) -> int:
-    """How many elements of a product of ``shape`` ``mode="gate"`` can keep ``up`` at: per row (its last dimension),
-    one in :data:`EXCEPTIONS_PER` rounded up, so that what it keeps grows linearly with the tokens (the memory model
-    extrapolates it). Each slot keeps 12 bytes (an int64 index, an fp32 factor)."""
+    """How many elements of a product of ``shape`` ``mode="gate"`` can keep ``up`` at (:func:`slots_per_row` for
+    each row of its last dimension)."""
     columns = shape[-1] if shape else 1
-    return math.prod(shape) // columns * -(-columns // EXCEPTIONS_PER) if columns else 0
+    return math.prod(shape[:-1]) * slots_per_row(columns)
 
 
-def _exceptions(
-    act: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, kind: str
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Where ``act == 0`` (at most :func:`exception_slots` of them, the first in row-major order): their row-major
-    indices and ``up * act'(gate)`` there in fp32 (0 and 0 in unused slots), the gate gradient's factor that ``h``
-    cannot give back. A fixed size: nothing is read back to the host."""
-    found = torch.nonzero_static(act == 0, size=exception_slots(act.shape), fill_value=-1)  # rows of -1: unused
-    used = found[:, 0] >= 0
-    at = tuple(found.clamp(min=0).unbind(1))
-    _, slope = kernels.torch_ops.activation_and_slope(gate[at].float(), kind)
-    factor = torch.where(used, up[at].float() * slope, 0.0)
-    index = sum(found[:, d] * math.prod(act.shape[d + 1 :]) for d in range(act.dim()))  # row-major, contiguous
-    return torch.where(used, index, 0), factor
+def exception_bytes(shape: Sequence[int], dtype: torch.dtype) -> int:
+    """What ``mode="gate"`` keeps for its exceptions: per slot an int32 column and ``up`` in ``dtype``."""
+    return exception_slots(shape) * (4 + dtype.itemsize)
 
 
 class GatedActivationFunction(torch.autograd.Function):
@@ -68,7 +64,8 @@ class GatedActivationFunction(torch.autograd.Function):
         # an expanded gate is kept as it is (it holds fewer elements than a copy)
         saved_gate = gate if 0 in gate.stride() else gate.contiguous()
         if recover_up:
-            ctx.save_for_backward(saved_gate, h, *_exceptions(act, gate, up, kind))
+            slots = slots_per_row(act.shape[-1] if act.dim() else 1)
+            ctx.save_for_backward(saved_gate, h, *kernels.implementation(act.device).gated_exceptions(act, up, slots))
         else:
             ctx.save_for_backward(saved_gate, up.contiguous())
         ctx.kind, ctx.recover_up = kind, recover_up
@@ -81,11 +78,9 @@ class GatedActivationFunction(torch.autograd.Function):
         gate, second, *exceptions = ctx.saved_tensors
         act = forward_activation(gate, ctx.layout, ctx.kind) if ctx.recover_up else None
         grad = grad.to(gate.dtype).contiguous()
-        grad_gate, grad_up = kernels.implementation(grad.device).gated_backward(grad, gate, second, ctx.kind, act)
-        if exceptions:  # where act is 0 the kernel took up = 0: its gate gradient there is grad * up * act'
-            at, factor = exceptions
-            fixed = (grad.view(-1)[at].float() * factor).to(grad_gate.dtype)
-            grad_gate = grad_gate.view(-1).index_add_(0, at, fixed).view(grad_gate.shape)
+        grad_gate, grad_up = kernels.implementation(grad.device).gated_backward(
+            grad, gate, second, ctx.kind, act, *exceptions
+        )
         needs_gate, needs_up, _, _ = ctx.needs_input_grad
         return grad_gate if needs_gate else None, grad_up if needs_up else None, None, None
 
