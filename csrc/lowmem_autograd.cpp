@@ -1,5 +1,5 @@
-// Autograd in C++ for the eager calls of the compiled backends: `lowmem::ms_norm`, `lowmem::affine_linear`
-// and `lowmem::step_activation` (schemas in lightning_lowmem/kernels/library.py) compute what the autograd
+// Autograd in C++ for the eager calls of the compiled backends: `lowmem::ms_norm`, `lowmem::affine_linear`,
+// `lowmem::seeded_dropout`, `lowmem::step_activation` and `lowmem::gated_activation` (schemas in lightning_lowmem/kernels/library.py) compute what the autograd
 // functions of lightning_lowmem/ops compute, and save the same tensors, with no Python in forward or
 // backward: at the sizes of a small model the Python of a custom autograd function costs more than its
 // kernels. The Python functions stay the reference (tests compare the two) and the path of torch.compile,
@@ -12,6 +12,7 @@
 #include <torch/autograd.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -468,6 +469,80 @@ at::Tensor step_activation(const at::Tensor& x, c10::string_view kind, at::Array
   return StepActivationFunction::apply(x, kind, thresholds, levels, name);
 }
 
+std::tuple<at::Tensor, at::Tensor> gated_exceptions(const at::Tensor& act, const at::Tensor& up, int64_t slots) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("lowmem::gated_exceptions", "")
+                       .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, int64_t)>();
+  return op.call(act, up, slots);
+}
+
+std::tuple<at::Tensor, at::Tensor> gated_backward(const at::Tensor& grad, const at::Tensor& gate, const at::Tensor& second,
+                                                  c10::string_view kind, const OptionalTensor& act,
+                                                  const OptionalTensor& columns, const OptionalTensor& up_at) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("lowmem::gated_backward", "")
+                       .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                                  c10::string_view, const OptionalTensor&,
+                                                                  const OptionalTensor&, const OptionalTensor&)>();
+  return op.call(grad, gate, second, kind, act, columns, up_at);
+}
+
+// lightning_lowmem.ops.gated.GatedActivationFunction: the stock product, saving (gate, up), or (gate, h) and the
+// exceptions where act(gate) is 0 (`slots` a row) to recover up from.
+struct GatedActivationFunction : public torch::autograd::Function<GatedActivationFunction> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& gate, const at::Tensor& up, c10::string_view kind,
+                            bool recover_up, int64_t slots) {
+    const Activation activation = activation_of("gated_activation", kind);
+    const at::Tensor act = stock_activation(gate, activation);
+    at::Tensor h = act * up;  // on the inputs as given: stock bits
+    // a contiguous copy of a strided half (timm's packed fc1), not a view that keeps both halves alive; an expanded
+    // gate is kept as it is (it holds fewer elements than a copy)
+    const auto strides = gate.strides();
+    const bool expanded = std::find(strides.begin(), strides.end(), 0) != strides.end();
+    const at::Tensor saved_gate = expanded ? gate : gate.contiguous();
+    if (recover_up) {
+      auto [columns, up_at] = gated_exceptions(act, up, slots);
+      ctx->save_for_backward({saved_gate, h, columns, up_at});
+    } else {
+      ctx->save_for_backward({saved_gate, up.contiguous()});
+    }
+    ctx->saved_data["kind"] = std::string(kind);
+    if (!saved_gate.is_same(gate)) {  // the forward's layout, which the backward's act(gate) must see again
+      ctx->saved_data["sizes"] = gate.sizes().vec();
+      ctx->saved_data["strides"] = gate.strides().vec();
+    }
+    return h;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    refuse_double_backward("gated_activation");
+    const variable_list saved = ctx->get_saved_variables();
+    const std::string kind = ctx->saved_data["kind"].toStringRef();
+    const at::Tensor& gate = saved[0];
+    OptionalTensor act, columns, up_at;
+    if (saved.size() == 4) {  // ops.gated.forward_activation: the very bits the forward multiplied with
+      at::Tensor laid_out = gate;
+      if (ctx->saved_data.count("sizes")) {
+        laid_out = at::empty_strided(ctx->saved_data["sizes"].toIntVector(), ctx->saved_data["strides"].toIntVector(),
+                                     gate.options())
+                       .copy_(gate);
+      }
+      act = stock_activation(laid_out, activation_of("gated_activation", kind));
+      columns = saved[2];
+      up_at = saved[3];
+    }
+    const at::Tensor grad = in_dtype(grads[0], gate.scalar_type()).contiguous();
+    auto [grad_gate, grad_up] = gated_backward(grad, gate, saved[1], kind, act, columns, up_at);
+    return {ctx->needs_input_grad(0) ? grad_gate : at::Tensor(), ctx->needs_input_grad(1) ? grad_up : at::Tensor(),
+            at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+at::Tensor gated_activation(const at::Tensor& gate, const at::Tensor& up, c10::string_view kind, bool recover_up,
+                            int64_t slots) {
+  return GatedActivationFunction::apply(gate, up, kind, recover_up, slots);
+}
+
 }  // namespace
 }  // namespace lowmem
 
@@ -482,4 +557,5 @@ TORCH_LIBRARY_IMPL(lowmem, LOWMEM_AUTOGRAD_KEY, m) {
   m.impl("affine_linear", &lowmem::affine_linear);
   m.impl("seeded_dropout", &lowmem::seeded_dropout);
   m.impl("step_activation", &lowmem::step_activation);
+  m.impl("gated_activation", &lowmem::gated_activation);
 }

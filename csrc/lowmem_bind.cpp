@@ -62,16 +62,6 @@ at::Tensor act_codes_op(const at::Tensor& x, at::ArrayRef<double> thresholds) {
   return packed;
 }
 
-Activation activation_of(const char* op, c10::string_view kind) {
-#define LOWMEM_MATCH(name, id) \
-  if (kind == id) return Activation::name;
-  LOWMEM_ACTIVATIONS(LOWMEM_MATCH)
-#undef LOWMEM_MATCH
-#define LOWMEM_ID(name, id) " " id
-  TORCH_CHECK_VALUE(false, op, ": unknown activation kind '", kind, "'; expected one of" LOWMEM_ACTIVATIONS(LOWMEM_ID));
-#undef LOWMEM_ID
-}
-
 // The stock activation's output and the codes of x, in one pass where the device has one.
 std::tuple<at::Tensor, at::Tensor> act_forward_op(const at::Tensor& x, c10::string_view kind,
                                                   at::ArrayRef<double> thresholds) {

@@ -5,6 +5,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/core/Tensor.h>
+#include <c10/util/string_view.h>
 
 #include "lowmem_math.h"
 
@@ -22,13 +23,28 @@ void act_codes(const at::Tensor& x, const double* thresholds, int64_t count, at:
 void act_forward(const at::Tensor& x, Activation kind, const double* thresholds, int64_t count, at::Tensor& y,
                  at::Tensor& packed);
 
-// y = the stock ATen activation `kind` of x.
+// The activation of a registry kernel id (lowmem_math.h), else a clear error naming `op`.
+inline Activation activation_of(const char* op, c10::string_view kind) {
+#define LOWMEM_MATCH(name, id) \
+  if (kind == id) return Activation::name;
+  LOWMEM_ACTIVATIONS(LOWMEM_MATCH)
+#undef LOWMEM_MATCH
+#define LOWMEM_ID(name, id) " " id
+  TORCH_CHECK_VALUE(false, op, ": unknown activation kind '", kind, "'; expected one of" LOWMEM_ACTIVATIONS(LOWMEM_ID));
+#undef LOWMEM_ID
+}
+
+// The stock ATen activation `kind` of x: into y, or as a new tensor.
 inline void stock_activation_out(const at::Tensor& x, Activation kind, at::Tensor& y) {
   if (kind == Activation::kSilu) {
     at::silu_out(y, x);
   } else {
     at::gelu_out(y, x, kind == Activation::kGeluTanh ? "tanh" : "none");
   }
+}
+
+inline at::Tensor stock_activation(const at::Tensor& x, Activation kind) {
+  return kind == Activation::kSilu ? at::silu(x) : at::gelu(x, kind == Activation::kGeluTanh ? "tanh" : "none");
 }
 
 // out[i] = grad[i] * levels[code(i)] over `count` levels, computed in grad's accumulate type.

@@ -1,4 +1,5 @@
-"""The autograd functions in C++ (``lowmem::ms_norm``, ``affine_linear``, ``step_activation``, the eager path of
+"""The autograd functions in C++ (``lowmem::ms_norm``, ``affine_linear``, ``step_activation``, ``gated_activation``,
+``seeded_dropout``: the eager path of
 the compiled backends) against the Python functions they replace (the path of torch.compile, Triton and the
 pure-PyTorch backend), both over the same C++ kernels: the same outputs and gradients bit for bit, the very
 same tensors saved (dtypes, shapes, the norm's output shared by pointer with its consumers), the same errors."""
@@ -14,6 +15,7 @@ from lightning_lowmem.kernels import library
 from lightning_lowmem.nn import LowMemActivation, LowMemLinear, MSLayerNorm, MSRMSNorm, SeededDropout
 from lightning_lowmem.ops import affine, dropout
 from lightning_lowmem.ops.activation import step_activation
+from lightning_lowmem.ops.gated import gated_activation
 from lightning_lowmem.ops.norm import memory_sharing_norm
 
 PATHS = ["cpp", "python"]
@@ -185,6 +187,31 @@ def test_step_activation_matches(activation, bits, dtype, monkeypatch, recorder)
     assert [t.dtype for t in runs[0][3].saved] == [torch.uint8]
 
 
+@pytest.mark.parametrize("kind", ["silu", "gelu", "gelu_tanh"])
+@pytest.mark.parametrize("mode", ["gate", "gate_up"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["contiguous", "packed", "expanded gate"])
+def test_gated_activation_matches(kind, mode, dtype, layout, monkeypatch, recorder):
+    """Output, gradients and saved tensors (the exceptions where ``act(gate) == 0`` among them) alike; ``act``
+    recomputed on the forward's layout of a packed half, an expanded gate kept as it is."""
+    packed = torch.randn(4, 9, 2 * 600, dtype=dtype) * 3
+    packed[0, 1, [3, 17, 700]] = 0.0  # act(gate) == 0: two in the gate half, one in up's
+    packed.requires_grad_()
+
+    def product(t: torch.Tensor) -> torch.Tensor:
+        gate, up = t.chunk(2, dim=-1)
+        if layout == "contiguous":
+            gate, up = gate.contiguous(), up.contiguous()
+        elif layout == "expanded gate":
+            gate = gate[:1, :1].expand_as(up)
+        return gated_activation(gate, up, kind, mode)
+
+    runs = [run(path, monkeypatch, recorder, product, packed) for path in PATHS]
+    assert_same_runs(*runs)
+    saved = [t.dtype for t in runs[0][3].saved]
+    assert saved == ([dtype, dtype, torch.int32, dtype] if mode == "gate" else [dtype, dtype])
+
+
 def test_strided_activation_input_takes_the_python_function(recorder, monkeypatch):
     """The stock op's own layout and element order for a strided input: the Python function's."""
     x = torch.randn(8, 40, requires_grad=True)
@@ -201,6 +228,7 @@ def test_double_backward_is_refused_alike(path, monkeypatch):
     for out, name in (
         (memory_sharing_norm(x, 16, 1e-5, True, weight, name="ms_layer_norm")[0], "ms_layer_norm"),
         (step_activation(x, "gelu"), "step_activation"),
+        (gated_activation(x, x * 2, "silu", "gate"), "gated_activation"),
     ):
         with pytest.raises(RuntimeError, match=f"{name} does not support double backward"):
             torch.autograd.grad(out.pow(2).sum(), x, create_graph=True)

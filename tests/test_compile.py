@@ -110,6 +110,10 @@ def autograd_samples(x: torch.Tensor) -> dict[str, list[tuple]]:
         ],
         "seeded_dropout": [(x, 0.1)],
         "step_activation": [(x, "gelu", GELU_2BIT.thresholds, GELU_2BIT.levels, "regelu2")],
+        "gated_activation": [
+            (x.index_fill(-1, torch.tensor([2, 9]), 0.0), x * 2, "silu", True, 1),  # zeros of act: its exceptions
+            (x, x * 2, "gelu", False, 1),
+        ],
     }
 
 

@@ -19,9 +19,9 @@ Triton is first chosen, :func:`triton_operators`): so torch.compile sees every T
 with the same fake kernel, never the Python of its launcher.
 
 These operators have no autograd formula of their own: the autograd functions of
-:mod:`lightning_lowmem.ops` call them in their forward and backward. Four more, ``ms_norm``,
-``affine_linear``, ``seeded_dropout`` and ``step_activation`` (:data:`AUTOGRAD_SCHEMAS`), are those autograd
-functions in C++ (``csrc/lowmem_autograd.cpp``, registered for the extension's Autograd key): the ops layer
+:mod:`lightning_lowmem.ops` call them in their forward and backward. Five more, ``ms_norm``,
+``affine_linear``, ``seeded_dropout``, ``step_activation`` and ``gated_activation`` (:data:`AUTOGRAD_SCHEMAS`), are
+those autograd functions in C++ (``csrc/lowmem_autograd.cpp``, registered for the extension's Autograd key): the ops layer
 calls them in eager mode where a compiled extension serves the device, so that no Python runs per
 call in forward or backward, and their dropouts draw their seeds from the device's generator in C++, as ATen's
 dropout does (no seed tensor drawn by an operator of its own). They have no other kernel: torch.compile, Triton
@@ -92,6 +92,7 @@ AUTOGRAD_SCHEMAS = {
     ),
     "seeded_dropout": "(Tensor x, float p) -> (Tensor, Tensor)",
     "step_activation": "(Tensor x, str kind, float[] thresholds, float[] levels, str name) -> Tensor",
+    "gated_activation": "(Tensor gate, Tensor up, str kind, bool recover_up, int slots) -> Tensor",
 }
 
 TRITON_NAMESPACE = "lowmem_triton"

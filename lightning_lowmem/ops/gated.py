@@ -54,7 +54,8 @@ def exception_bytes(shape: Sequence[int], dtype: torch.dtype) -> int:
 
 
 class GatedActivationFunction(torch.autograd.Function):
-    """Stock forward (``act`` then ``*``); backward from (gate, up) or (gate, output) and the exceptions."""
+    """Stock forward (``act`` then ``*``); backward from (gate, up) or (gate, output) and the exceptions.
+    ``lowmem::gated_activation`` is this function in C++ (the eager path of the compiled backends)."""
 
     @staticmethod
     def forward(ctx, gate: torch.Tensor, up: torch.Tensor, kind: str, recover_up: bool) -> torch.Tensor:
@@ -64,7 +65,7 @@ class GatedActivationFunction(torch.autograd.Function):
         # an expanded gate is kept as it is (it holds fewer elements than a copy)
         saved_gate = gate if 0 in gate.stride() else gate.contiguous()
         if recover_up:
-            slots = slots_per_row(act.shape[-1] if act.dim() else 1)
+            slots = slots_per_row(gate.shape[-1] if gate.dim() else 1)
             ctx.save_for_backward(saved_gate, h, *kernels.implementation(act.device).gated_exceptions(act, up, slots))
         else:
             ctx.save_for_backward(saved_gate, up.contiguous())
@@ -120,4 +121,7 @@ def gated_activation(
     gate, up = gate.to(dtype), up.to(dtype)
     if not (needs_graph(gate) or needs_graph(up)):
         return kernels.torch_ops.stock_activation(gate, kind) * up
+    if kernels.autograd_in_cpp(gate):
+        slots = slots_per_row(gate.shape[-1] if gate.dim() else 1)
+        return kernels.library.OPS.gated_activation.default(gate, up, kind, mode == "gate", slots)
     return GatedActivationFunction.apply(gate, up, kind, mode == "gate")
