@@ -3,9 +3,9 @@
 On a GPU a fine-tuning step of these sizes is bound by the host: each operator call costs the CPU 5-40 us of
 dispatch and launch whatever the kernel does (``../shared/gpu/h100-2026-11-27``: converted steps 1.3-1.7x stock's
 with less GPU time). So the count of calls is the CPU's proxy for a GPU's step time: the profiler's ``aten::`` and
-``lowmem::`` operator calls that no other operator call encloses (what Python and the autograd engine dispatch; an
-operator's own inner calls are its business, as ATen's composites'), per training step (forward, loss, backward),
-and among them the seed draws (``aten::randint``, ``aten::random_``: a launch each on a GPU). Counts, not times: no
+``lowmem::`` operator calls that no other operator call encloses (what Python and the autograd engine dispatch), the
+innermost calls that compute (a kernel launch each on a GPU, whoever dispatches them), per training step (forward,
+loss, backward), and among the first the seed draws (``aten::randint``, ``aten::random_``: a launch each on a GPU). Counts, not times: no
 quiet machine needed. Models: tiny LoRA BERT and LoRA LLaMA (peft, r=8 on every linear, ``lora_dropout`` 0.05) and a
 ViT (full fine-tuning), fp32, on the CPU kernels.
 
@@ -34,22 +34,51 @@ from lightning_lowmem.surgery.example import call, tensors_in
 
 NAMESPACES = ("aten::", "lowmem::")
 SEED_DRAWS = ("aten::randint", "aten::random_")
+NO_KERNEL = frozenset(
+    "aten::" + name
+    for name in (
+        "view _unsafe_view reshape _reshape_alias view_as t transpose permute select slice narrow expand expand_as "
+        "as_strided as_strided_ unsqueeze squeeze detach alias unbind split chunk empty empty_like empty_strided "
+        "new_empty resize_ to contiguous lift_fresh result_type promote_types resolve_conj resolve_neg dropout flatten"
+    ).split()
+)
+"""Operator calls that launch nothing where no other call runs inside them: views, allocations, a conversion or a
+dropout that returns its input."""
+GPU_FUSED = frozenset({"aten::bernoulli_"})
+"""Calls a GPU makes inside another's kernel: stock dropout's mask draw (the CPU's ``native_dropout`` draws with
+``bernoulli_`` then multiplies; a GPU's is one fused kernel)."""
 
 
-def top_level_calls(step: Callable[[], object]) -> Counter[str]:
-    """The operator calls of ``step`` (names in :data:`NAMESPACES`) that no other such call encloses."""
+def _operator_parent(event):
+    """The nearest enclosing ``aten::``/``lowmem::`` call of a profiler event (None at top level)."""
+    parent = event.cpu_parent
+    while parent is not None and not parent.name.startswith(NAMESPACES):
+        parent = parent.cpu_parent
+    return parent
+
+
+def profiled_calls(step: Callable[[], object]) -> tuple[Counter[str], Counter[str]]:
+    """The operator calls of ``step`` (names in :data:`NAMESPACES`): those that no other such call encloses (what
+    the host dispatches), and the kernel calls: each call that computes (not in :data:`NO_KERNEL` or
+    :data:`GPU_FUSED`) and runs no other that does (a kernel launch each on a GPU, whoever dispatches it)."""
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         step()
-    counts: Counter[str] = Counter()
-    for event in prof.events():
-        if not event.name.startswith(NAMESPACES):
-            continue
-        parent = event.cpu_parent
-        while parent is not None and not parent.name.startswith(NAMESPACES):
-            parent = parent.cpu_parent
-        if parent is None:
-            counts[event.name] += 1
-    return counts
+    events = [e for e in prof.events() if e.name.startswith(NAMESPACES)]
+    parents = {id(e): _operator_parent(e) for e in events}
+    computes_inside: set[int] = set()  # calls with a computing call inside them
+    for event in events:
+        if event.name not in NO_KERNEL | GPU_FUSED:
+            parent = parents[id(event)]
+            while parent is not None and id(parent) not in computes_inside:
+                computes_inside.add(id(parent))
+                parent = parents[id(parent)]
+    top_level, kernel_calls = Counter(), Counter()
+    for event in events:
+        if parents[id(event)] is None:
+            top_level[event.name] += 1
+        if event.name not in NO_KERNEL | GPU_FUSED and id(event) not in computes_inside:
+            kernel_calls[event.name] += 1
+    return top_level, kernel_calls
 
 
 def training_step(model: nn.Module, example: object) -> Callable[[], None]:
@@ -78,8 +107,8 @@ def models(smoke: bool) -> dict[str, Callable[[], tuple[nn.Module, object]]]:
     }
 
 
-def count(build: Callable[[], tuple[nn.Module, object]]) -> tuple[Counter[str], Counter[str]]:
-    """Top-level calls of one training step (the second: the first makes lazy state), stock then converted."""
+def count(build: Callable[[], tuple[nn.Module, object]]) -> list[tuple[Counter[str], Counter[str]]]:
+    """:func:`profiled_calls` of one training step (the second: the first makes lazy state), stock then converted."""
     torch.manual_seed(0)
     stock, example = build()
     converted = copy.deepcopy(stock)
@@ -88,8 +117,8 @@ def count(build: Callable[[], tuple[nn.Module, object]]) -> tuple[Counter[str], 
     for model in (stock, converted):
         step = training_step(model.train(), example)
         step()
-        counted.append(top_level_calls(step))
-    return counted[0], counted[1]
+        counted.append(profiled_calls(step))
+    return counted
 
 
 def by_op(stock: Counter[str], converted: Counter[str], top: int) -> str:
@@ -106,20 +135,27 @@ def main() -> None:
     args = parser.parse_args()
     rows, details = [], []
     for name, build in models(args.smoke).items():
-        stock, converted = count(build)
-        total_stock, total_converted = sum(stock.values()), sum(converted.values())
+        (stock, stock_kernels), (converted, converted_kernels) = count(build)
+        totals = [sum(c.values()) for c in (stock, converted, stock_kernels, converted_kernels)]
         draws = [sum(c[d] for d in SEED_DRAWS) for c in (stock, converted)]
-        rows.append([name, total_stock, total_converted, f"{total_converted / total_stock:.2f}x", *draws])
-        details.append(f"{name}:\n\n{by_op(stock, converted, args.top)}")
+        ratios = [f"{totals[1] / totals[0]:.2f}x", f"{totals[3] / totals[2]:.2f}x"]
+        rows.append([name, *totals[:2], ratios[0], *totals[2:], ratios[1], *draws])
+        details.append(
+            f"{name}, calls:\n\n{by_op(stock, converted, args.top)}\n\n"
+            f"{name}, kernel calls:\n\n{by_op(stock_kernels, converted_kernels, args.top)}"
+        )
         print(" | ".join(map(str, rows[-1])), flush=True)
-    header = ["model (random init, fp32)", "stock calls", "converted calls", "converted / stock",
-              "stock seed draws", "converted seed draws"]  # fmt: skip
+    header = ["model (random init, fp32)", "stock calls", "converted calls", "converted / stock", "stock kernel calls",
+              "converted kernel calls", "converted / stock", "stock seed draws", "converted seed draws"]  # fmt: skip
     body = (
         "## Operator calls per training step (the host's work on a GPU)\n\n"
-        "The profiler's `aten::` and `lowmem::` calls that no other such call encloses, per training step (forward, "
-        "loss, backward), stock and converted, on the CPU kernels (backend "
-        f"`{kernels.backend('cpu')}`); seed draws are `aten::randint` and `aten::random_`. On a GPU each call is "
-        "host time (dispatch and launch), which decides the step time at fine-tuning sizes.\n\n"
+        "Per training step (forward, loss, backward), stock and converted, on the CPU kernels (backend "
+        f"`{kernels.backend('cpu')}`): *calls*, the profiler's `aten::` and `lowmem::` calls that no other such call "
+        "encloses (what Python and the autograd engine dispatch: host time on a GPU); *kernel calls*, the innermost "
+        "calls that compute (no other call inside; no view, allocation or no-op conversion; stock dropout's "
+        "`bernoulli_` left out, which a GPU's fused dropout draws in its one kernel): a launch each on a GPU. Seed "
+        "draws are `aten::randint` and `aten::random_`. At fine-tuning sizes a GPU step is bound by the host, so "
+        "fewer of both is the CPU's proxy for a step as fast as stock's.\n\n"
         + markdown_table(header, rows) + "\n\n" + "\n\n".join(details)
     )  # fmt: skip
     print(body)

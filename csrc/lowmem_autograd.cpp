@@ -135,6 +135,15 @@ at::Tensor act_backward(const at::Tensor& grad, const at::Tensor& packed, at::Ar
   return op.call(grad, packed, levels);
 }
 
+at::Tensor affine_weight_grad(const at::Tensor& product, const OptionalTensor& total, const OptionalTensor& scale,
+                              const OptionalTensor& shift, at::ScalarType dtype) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("lowmem::affine_weight_grad", "")
+                       .typed<at::Tensor(const at::Tensor&, const OptionalTensor&, const OptionalTensor&,
+                                         const OptionalTensor&, at::ScalarType)>();
+  return op.call(product, total, scale, shift, dtype);
+}
+
 // lightning_lowmem.ops.norm.MemorySharingNormFunction with an affine: returns (y, z), z without a gradient, or
 // (y) where it saves y, and z at its exact columns (at most max_exact_columns of them), instead.
 struct MemorySharingNormFunction : public torch::autograd::Function<MemorySharingNormFunction> {
@@ -388,18 +397,20 @@ struct AffineLinearFunction : public torch::autograd::Function<AffineLinearFunct
       const at::Tensor read = dropped(rebuilt, p, seed, /*owned=*/!rebuilt.is_same(inputs_saved));
       out[2] = in_dtype(grad_2d.t().mm(read.reshape({-1, read.size(-1)})), weight.scalar_type());
     } else if (needs_w) {
-      // ops.affine._weight_grad: (grad^T z) * (gamma + offset) + outer(sum(grad), beta) from a shared z
-      at::Tensor grad_w = grad_2d.t().mm(in_dtype(inputs_saved.reshape({-1, inputs_saved.size(-1)}), dtype));
+      // ops.affine._weight_grad: (grad^T z) * (gamma + offset) + outer(sum(grad), beta) from a shared z, one pass
+      const at::Tensor grad_w = grad_2d.t().mm(in_dtype(inputs_saved.reshape({-1, inputs_saved.size(-1)}), dtype));
       if (shared) {
-        const at::Tensor& param = gamma.defined() ? gamma : beta;
-        grad_w = in_dtype(grad_w, c10::promoteTypes(dtype, param.scalar_type()));
-        if (gamma.defined()) grad_w.mul_(affine_scale(gamma, offset));
+        const at::ScalarType acc = at::toOpMathType(weight.scalar_type());
+        OptionalTensor total, scale, shift;
+        if (gamma.defined()) scale = in_dtype(affine_scale(gamma, offset), acc);
         if (beta.defined()) {
-          at::Tensor sum = grad_sum.defined() ? grad_sum : grad_2d.sum(0);
-          grad_w.addr_(in_dtype(sum, grad_w.scalar_type()), in_dtype(beta, grad_w.scalar_type()));
+          total = grad_sum.defined() ? grad_sum : grad_2d.sum(0);
+          shift = in_dtype(beta, acc);
         }
+        out[2] = affine_weight_grad(grad_w, total, scale, shift, weight.scalar_type());
+      } else {
+        out[2] = in_dtype(grad_w, weight.scalar_type());
       }
-      out[2] = in_dtype(grad_w, weight.scalar_type());
     }
     if (needs_b) out[3] = in_dtype(grad_sum, weight.scalar_type());
     if (needs_x) {

@@ -163,7 +163,9 @@ std::tuple<at::Tensor, at::Tensor> norm_backward_op(const at::Tensor& grad, cons
   }
   at::Tensor g = grad.to(z.scalar_type()).contiguous();
   at::Tensor grad_input = at::empty(z.sizes(), z.options().dtype(dtype));
-  at::Tensor sums = column_sums ? at::zeros({2, dim}, rstd.options()) : at::empty({0}, rstd.options());
+  // the kernels write the sums whole where there are rows
+  at::Tensor sums = column_sums ? (rows > 0 ? at::empty({2, dim}, rstd.options()) : at::zeros({2, dim}, rstd.options()))
+                                : at::empty({0}, rstd.options());
   at::Tensor sums_out = column_sums ? sums : at::Tensor();
   if (rows > 0) norm_backward(g, z.contiguous(), rstd.contiguous(), scale_values, dim, center, grad_input, sums_out);
   return {grad_input, sums};
@@ -385,6 +387,34 @@ std::tuple<at::Tensor, at::Tensor> dropout_input_and_grad_op(const at::Tensor& x
   return {read, masked};
 }
 
+// A linear's weight gradient from a norm's shared z (see affine_weight_grad in lowmem_kernels.h).
+at::Tensor affine_weight_grad_op(const at::Tensor& product, const std::optional<at::Tensor>& total,
+                                 const std::optional<at::Tensor>& scale, const std::optional<at::Tensor>& shift,
+                                 at::ScalarType dtype) {
+  const char* op = "affine_weight_grad";
+  check_float(op, "product", product);
+  TORCH_CHECK_VALUE(product.dim() == 2, op, ": product must be a floating (out, in) matrix, got ", product.sizes());
+  TORCH_CHECK_TYPE(is_float_type(dtype), op, ": unsupported dtype ", dtype);
+  TORCH_CHECK_VALUE(scale.has_value() || shift.has_value(), op, ": needs a scale or a shift");
+  const at::ScalarType acc = accumulate_type(dtype);
+  const at::Tensor scale_values = affine_values(op, "scale", scale, product.size(1), acc);
+  const at::Tensor shift_values = affine_values(op, "shift", shift, product.size(1), acc);
+  TORCH_CHECK_VALUE(shift.has_value() == total.has_value(), op,
+                    ": total (the gradient's sum) comes with a shift, and only with one");
+  at::Tensor sums;
+  if (total.has_value()) {
+    check_tensor(op, "total", *total);
+    TORCH_CHECK_VALUE(total->dim() == 1 && total->size(0) == product.size(0) &&
+                          total->scalar_type() == product.scalar_type(),
+                      op, ": expected ", product.size(0), " total values of dtype ", product.scalar_type(), ", got ",
+                      total->sizes(), " ", total->scalar_type());
+    sums = total->contiguous();
+  }
+  at::Tensor out = at::empty(product.sizes(), product.options().dtype(dtype));
+  if (product.numel() > 0) affine_weight_grad(product.contiguous(), sums, scale_values, shift_values, out);
+  return out;
+}
+
 #if !defined(LOWMEM_CUDA)
 // The per-row loss of logits, which are overwritten with the loss's gradient (see cross_entropy_grad).
 at::Tensor cross_entropy_grad_op(at::Tensor& logits, const at::Tensor& target, int64_t ignore_index,
@@ -442,6 +472,7 @@ TORCH_LIBRARY_IMPL(lowmem, LOWMEM_DISPATCH_KEY, m) {
   m.impl("gated_backward", &lowmem::gated_backward_op);
   m.impl("dropout", &lowmem::dropout_op);
   m.impl("dropout_input_and_grad", &lowmem::dropout_input_and_grad_op);
+  m.impl("affine_weight_grad", &lowmem::affine_weight_grad_op);
 #if !defined(LOWMEM_CUDA)  // GPUs run the reference (the ops layer takes this path on CPU only)
   m.impl("norm_exact_columns", &lowmem::norm_exact_columns_op);
   m.impl("norm_output_forward", &lowmem::norm_output_forward_op);

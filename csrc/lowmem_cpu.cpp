@@ -639,9 +639,11 @@ void norm_backward_kernel(const U* grad, const U* z, const at::opmath_type<U>* r
       }
     }
   });
-  if constexpr (kSums) {  // into the caller's zeroed sums
-    for (int t = 0; t < threads; ++t) {
-      for (int64_t k = 0; k < 2 * dim; ++k) sums[k] += partial[2 * dim * t + k];
+  if constexpr (kSums) {  // the threads' partial sums in a fixed order
+    for (int64_t k = 0; k < 2 * dim; ++k) {
+      at::opmath_type<U> total = 0;
+      for (int t = 0; t < threads; ++t) total += partial[2 * dim * t + k];
+      sums[k] = total;
     }
   }
 }
@@ -1230,6 +1232,34 @@ void gated_backward(const at::Tensor& grad, const at::Tensor& gate, const at::Te
         gated_exceptions_backward<kKind>(g, x, columns.const_data_ptr<int32_t>(), up_at.const_data_ptr<scalar_t>(),
                                          columns.size(0), columns.size(1), grad.dim() ? grad.size(-1) : 1, dg);
       }
+    });
+  });
+}
+
+void affine_weight_grad(const at::Tensor& product, const at::Tensor& total, const at::Tensor& scale,
+                        const at::Tensor& shift, at::Tensor& out) {
+  const int64_t rows = product.size(0), cols = product.size(1);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "affine_weight_grad", [&] {
+    using O = scalar_t;
+    using acc_t = at::opmath_type<O>;
+    const acc_t* scales = scale.defined() ? scale.const_data_ptr<acc_t>() : nullptr;
+    const acc_t* shifts = shift.defined() ? shift.const_data_ptr<acc_t>() : nullptr;
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, product.scalar_type(), "affine_weight_grad", [&] {
+      const scalar_t* in = product.const_data_ptr<scalar_t>();
+      const scalar_t* sums = total.defined() ? total.const_data_ptr<scalar_t>() : nullptr;
+      O* result = out.mutable_data_ptr<O>();
+      at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(cols, 1)), [&](int64_t begin,
+                                                                                               int64_t end) {
+        for (int64_t r = begin; r < end; ++r) {
+          const acc_t sum = sums ? static_cast<acc_t>(sums[r]) : acc_t(0);
+          for (int64_t c = 0; c < cols; ++c) {
+            acc_t value = static_cast<acc_t>(in[r * cols + c]);
+            if (scales) value *= scales[c];
+            if (shifts) value += sum * shifts[c];
+            result[r * cols + c] = static_cast<O>(value);
+          }
+        }
+      });
     });
   });
 }

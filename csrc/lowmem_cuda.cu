@@ -96,9 +96,13 @@ __device__ acc_t block_sum(acc_t v, acc_t* shared) {
   return shared[0];
 }
 
+// z and rstd of each row; with a scale or a shift also y = scale * z + shift from z as stored (rounded to U), in
+// the pass that writes z.
 template <typename T, typename U>
 __global__ void norm_forward_kernel(const T* __restrict__ x, int64_t rows, int64_t dim, at::opmath_type<T> eps,
-                                    bool center, U* __restrict__ z, at::opmath_type<T>* __restrict__ rstd) {
+                                    bool center, U* __restrict__ z, at::opmath_type<T>* __restrict__ rstd,
+                                    const at::opmath_type<T>* __restrict__ scale,
+                                    const at::opmath_type<T>* __restrict__ shift, U* __restrict__ y) {
   using acc_t = at::opmath_type<T>;
   __shared__ acc_t shared[32];
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
@@ -114,7 +118,9 @@ __global__ void norm_forward_kernel(const T* __restrict__ x, int64_t rows, int64
     const acc_t r = inverse_std(block_sum(squares, shared) / acc_t(dim), eps);
     if (threadIdx.x == 0) rstd[row] = r;
     for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) {
-      z[row * dim + i] = static_cast<U>(normalized(static_cast<acc_t>(xr[i]), mean, r));
+      const U zi = static_cast<U>(normalized(static_cast<acc_t>(xr[i]), mean, r));
+      z[row * dim + i] = zi;
+      if (y) y[row * dim + i] = static_cast<U>((scale ? scale[i] : acc_t(1)) * static_cast<acc_t>(zi) + (shift ? shift[i] : acc_t(0)));
     }
   }
 }
@@ -142,6 +148,38 @@ __global__ void norm_backward_kernel(const U* __restrict__ grad, const U* __rest
       const acc_t gi = static_cast<acc_t>(g[i]) * (scale ? scale[i] : acc_t(1));
       grad_input[row * dim + i] = static_cast<T>(norm_input_grad(gi, static_cast<acc_t>(zr[i]), r, mean_g, mean_gz));
     }
+  }
+}
+
+// A norm's gamma and beta gradients, sum(grad * z) and sum(grad) over the rows, in two launches: this kernel sums
+// each chunk of rows (blockIdx.y) for a tile of columns (blockIdx.x; a warp reads a row's tile, coalesced), the
+// caller sums the chunks. Fixed order throughout: the same bits from run to run.
+constexpr int kColumnTile = 32, kColumnLanes = 8;
+constexpr int64_t kColumnSumRows = 64, kColumnSumChunks = 64;
+
+template <typename U>
+__global__ void norm_column_sums_kernel(const U* __restrict__ grad, const U* __restrict__ z, int64_t rows,
+                                        int64_t dim, int64_t rows_per_chunk, at::opmath_type<U>* __restrict__ partial) {
+  using acc_t = at::opmath_type<U>;
+  __shared__ acc_t lanes[2][kColumnLanes][kColumnTile + 1];
+  const int64_t column = blockIdx.x * int64_t(kColumnTile) + threadIdx.x;
+  const int64_t first = blockIdx.y * rows_per_chunk;
+  const int64_t last = first + rows_per_chunk < rows ? first + rows_per_chunk : rows;
+  acc_t grad_z = 0, grad_sum = 0;
+  if (column < dim) {
+    for (int64_t r = first + threadIdx.y; r < last; r += kColumnLanes) {
+      const acc_t g = static_cast<acc_t>(grad[r * dim + column]);
+      grad_z += g * static_cast<acc_t>(z[r * dim + column]);
+      grad_sum += g;
+    }
+  }
+  lanes[0][threadIdx.y][threadIdx.x] = grad_z;
+  lanes[1][threadIdx.y][threadIdx.x] = grad_sum;
+  __syncthreads();
+  if (threadIdx.y < 2 && column < dim) {
+    acc_t total = 0;
+    for (int k = 0; k < kColumnLanes; ++k) total += lanes[threadIdx.y][k][threadIdx.x];
+    partial[(blockIdx.y * 2 + threadIdx.y) * dim + column] = total;
   }
 }
 
@@ -228,6 +266,22 @@ __global__ void gated_exceptions_backward_kernel(const T* __restrict__ grad, con
     const int64_t e = i / slots * cols + c;
     grad_gate[e] = static_cast<T>(exception_grad_gate<kKind, DeviceMath>(
         static_cast<acc_t>(grad[e]), static_cast<acc_t>(gate[e]), static_cast<acc_t>(up_at[i])));
+  }
+}
+
+// out = product * scale + total (x) shift, an element a thread (see affine_weight_grad in lowmem_kernels.h).
+template <typename T, typename O>
+__global__ void affine_weight_grad_kernel(const T* __restrict__ product, const T* __restrict__ total,
+                                          const at::opmath_type<O>* __restrict__ scale,
+                                          const at::opmath_type<O>* __restrict__ shift, int64_t numel, int64_t cols,
+                                          O* __restrict__ out) {
+  using acc_t = at::opmath_type<O>;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < numel; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t c = i % cols;
+    acc_t value = static_cast<acc_t>(product[i]);
+    if (scale) value *= scale[c];
+    if (shift) value += static_cast<acc_t>(total[i / cols]) * shift[c];
+    out[i] = static_cast<O>(value);
   }
 }
 
@@ -326,11 +380,12 @@ void norm_forward(const at::Tensor& x, int64_t dim, double eps, bool center, at:
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, z.scalar_type(), "norm_forward", [&] {
       norm_forward_kernel<in_t, scalar_t><<<blocks, norm_threads(dim), 0, c10::cuda::getCurrentCUDAStream()>>>(
           x.const_data_ptr<in_t>(), rows, dim, acc_t(eps), center, z.mutable_data_ptr<scalar_t>(),
-          rstd.mutable_data_ptr<acc_t>());
+          rstd.mutable_data_ptr<acc_t>(), scale.defined() ? scale.const_data_ptr<acc_t>() : nullptr,
+          shift.defined() ? shift.const_data_ptr<acc_t>() : nullptr,
+          y.defined() ? y.mutable_data_ptr<scalar_t>() : nullptr);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   });
-  if (y.defined()) affine_out(z, scale, shift, y);
 }
 
 void act_forward(const at::Tensor& x, Activation kind, const double* thresholds, int64_t count, at::Tensor& y,
@@ -339,7 +394,6 @@ void act_forward(const at::Tensor& x, Activation kind, const double* thresholds,
   stock_activation_out(x, kind, y);
 }
 
-// The column sums (gamma / beta gradients) are two ATen reductions here; the CPU kernel fuses them.
 void norm_backward(const at::Tensor& grad, const at::Tensor& z, const at::Tensor& rstd, const at::Tensor& scale,
                    int64_t dim, bool center, at::Tensor& grad_input, at::Tensor& sums) {
   const c10::cuda::CUDAGuard guard(grad.device());
@@ -356,10 +410,18 @@ void norm_backward(const at::Tensor& grad, const at::Tensor& z, const at::Tensor
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   });
-  if (sums.defined()) {
-    const at::Tensor g = grad.view({rows, dim}).to(sums.scalar_type());
-    sums[0].copy_((g * z.view({rows, dim}).to(sums.scalar_type())).sum(0));
-    sums[1].copy_(g.sum(0));
+  if (sums.defined()) {  // per chunk of rows, then over the chunks: two launches, in a fixed order
+    const int64_t chunks = std::min<int64_t>(kColumnSumChunks, (rows + kColumnSumRows - 1) / kColumnSumRows);
+    const int64_t rows_per_chunk = (rows + chunks - 1) / chunks;
+    at::Tensor partial = at::empty({chunks, 2, dim}, sums.options());
+    const dim3 grid((dim + kColumnTile - 1) / kColumnTile, chunks);
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, z.scalar_type(), "norm_backward", [&] {
+      norm_column_sums_kernel<scalar_t><<<grid, dim3(kColumnTile, kColumnLanes), 0, c10::cuda::getCurrentCUDAStream()>>>(
+          grad.const_data_ptr<scalar_t>(), z.const_data_ptr<scalar_t>(), rows, dim, rows_per_chunk,
+          partial.mutable_data_ptr<at::opmath_type<scalar_t>>());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+    at::sum_out(sums, partial, 0);
   }
 }
 
@@ -481,6 +543,24 @@ void dropout_input_and_grad(const at::Tensor& x, const at::Tensor& scale, const 
           x.const_data_ptr<scalar_t>(), scales, shifts, x.size(-1), grad.const_data_ptr<T>(), grad.numel(),
           seed.tensor.const_data_ptr<int64_t>(), static_cast<int>(seed.tensor.numel()), dropout_threshold(p),
           static_cast<acc_t>(1.0 / (1.0 - p)), read.mutable_data_ptr<T>(), masked.mutable_data_ptr<T>());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+  });
+}
+
+void affine_weight_grad(const at::Tensor& product, const at::Tensor& total, const at::Tensor& scale,
+                        const at::Tensor& shift, at::Tensor& out) {
+  const c10::cuda::CUDAGuard guard(product.device());
+  const int64_t blocks = elementwise_blocks(product.numel());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "affine_weight_grad", [&] {
+    using O = scalar_t;
+    using acc_t = at::opmath_type<O>;
+    const acc_t* scales = scale.defined() ? scale.const_data_ptr<acc_t>() : nullptr;
+    const acc_t* shifts = shift.defined() ? shift.const_data_ptr<acc_t>() : nullptr;
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, product.scalar_type(), "affine_weight_grad", [&] {
+      affine_weight_grad_kernel<scalar_t, O><<<blocks, kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+          product.const_data_ptr<scalar_t>(), total.defined() ? total.const_data_ptr<scalar_t>() : nullptr, scales,
+          shifts, product.numel(), product.size(1), out.mutable_data_ptr<O>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   });

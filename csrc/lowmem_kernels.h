@@ -57,19 +57,6 @@ void step_scale(const at::Tensor& grad, const at::Tensor& packed, const double* 
 void norm_forward(const at::Tensor& x, int64_t dim, double eps, bool center, at::Tensor& z, at::Tensor& rstd,
                   const at::Tensor& scale, const at::Tensor& shift, at::Tensor& y);
 
-// y = scale * z + shift as norm_forward defines it, in ATen ops (a device whose norm kernel does not fuse it).
-inline void affine_out(const at::Tensor& z, const at::Tensor& scale, const at::Tensor& shift, at::Tensor& y) {
-  at::Tensor out = z.to(scale.defined() ? scale.scalar_type() : shift.scalar_type());
-  if (scale.defined() && shift.defined()) {
-    out = at::addcmul(shift, out, scale);
-  } else if (scale.defined()) {
-    out = out * scale;
-  } else {
-    out = out + shift;
-  }
-  y.copy_(out);
-}
-
 // Input gradient of y = scale * z + beta from the saved output z and rstd only; an undefined `scale` is 1.
 // A defined `sums` (2 x dim, accumulate type) receives the column sums of grad * z and grad.
 void norm_backward(const at::Tensor& grad, const at::Tensor& z, const at::Tensor& rstd, const at::Tensor& scale,
@@ -118,6 +105,12 @@ void dropout(const at::Tensor& x, double p, const PhiloxSeed& seed, at::Tensor& 
 // masked one dtype, x any floating dtype.
 void dropout_input_and_grad(const at::Tensor& x, const at::Tensor& scale, const at::Tensor& shift, const at::Tensor& grad,
                             double p, const PhiloxSeed& seed, at::Tensor& read, at::Tensor& masked);
+
+// A linear's weight gradient from a norm's shared z: out = product * scale + outer(total, shift) in out's accumulate
+// type (scale and shift: undefined or `in` values of that type; total: `out` values of product's dtype, defined with
+// a shift), product contiguous (out x in), out (its shape, the weight's dtype) written once.
+void affine_weight_grad(const at::Tensor& product, const at::Tensor& total, const at::Tensor& scale,
+                        const at::Tensor& shift, at::Tensor& out);
 
 // dropout with a seed drawn from the default generator of x's device, as ATen's own dropout draws: a key from the
 // CPU's, the GPU's key and as many consecutive counters as the mask uses (no launch, no host synchronisation,

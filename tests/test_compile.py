@@ -76,6 +76,10 @@ def op_samples(dtype: torch.dtype) -> dict[str, list[tuple]]:
             (z, None, None, dtype, torch.randn_like(x), 0.1, torch.tensor([7])),
             (z, torch.rand(40) + 0.5, torch.randn(40), torch.float32, torch.randn(3, 5, 40), 0.2, torch.tensor([7, 9])),
         ],
+        "affine_weight_grad": [
+            (x[0], torch.randn(5, dtype=dtype), torch.rand(40) + 0.5, torch.randn(40), torch.float32),
+            (x[0], None, torch.rand(40) + 0.5, None, dtype),
+        ],
         "cross_entropy_grad_": [
             (torch.randn(6, 40), torch.tensor([1, 2, -100, 39, 0, 5]), -100, 0.0, 0.0),
             (torch.randn(6, 40), torch.tensor([1, 2, 3, 39, 0, 5]), -100, 0.1, 30.0),

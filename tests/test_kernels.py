@@ -105,7 +105,7 @@ def test_codes_of_non_contiguous_inputs(kernel_backend):
 )
 def test_norm_matches_reference(kernel_backend, center, dtype, out_dtype):
     ext, device = kernel_backend.module, kernel_backend.device
-    for shape in NORM_SHAPES:
+    for shape in [*NORM_SHAPES, (301, 40)]:  # and the column sums of several chunks of rows
         x = (torch.randn(shape, dtype=torch.float64) * 3 + 2).to(dtype=dtype, device=device)
         dim = shape[-1]
         z, rstd = ext.norm_forward(x, dim, 1e-5, center, out_dtype)
@@ -176,6 +176,39 @@ def test_norm_output_ops_match_reference(kernel_backend, center, dtype, out_dtyp
             torch.testing.assert_close(
                 grad_input, from_z, **(half_tolerance(out_dtype) or {"rtol": 1e-4, "atol": 1e-5})
             )
+
+
+@pytest.mark.parametrize("affine", ["scale", "shift", "scale and shift"])
+@pytest.mark.parametrize(("product_dtype", "weight_dtype"), [(torch.float32,) * 2, (torch.bfloat16, torch.float32),
+                                                             (torch.bfloat16,) * 2, (torch.float16,) * 2])  # fmt: skip
+def test_affine_weight_grad_matches_reference(kernel_backend, affine, product_dtype, weight_dtype):
+    """A linear's weight gradient from a norm's shared ``z`` (``grad^T z`` scaled, plus the outer product of the
+    gradient's sum and the shift), in the weight's dtype: the reference's, to one rounding (a fused multiply-add)."""
+    device = kernel_backend.device
+    for rows, cols in [(96, 40), (1, 1), (3, 1100), (0, 8)]:
+        product = torch.randn(rows, cols, device=device).to(product_dtype)
+        scale = torch.rand(cols, device=device) + 0.5 if "scale" in affine else None
+        shift = torch.randn(cols, device=device) if "shift" in affine else None
+        total = torch.randn(rows, device=device).to(product_dtype) if shift is not None else None
+        got = kernel_backend.module.affine_weight_grad(product, total, scale, shift, weight_dtype)
+        want = torch_ops.affine_weight_grad(product, total, scale, shift, weight_dtype)
+        assert got.dtype == weight_dtype and got.shape == (rows, cols)
+        ulp = {torch.float32: 3e-7, torch.bfloat16: 8e-3, torch.float16: 1e-3}[weight_dtype]
+        torch.testing.assert_close(got, want, rtol=ulp, atol=1e-6)
+
+
+def test_affine_weight_grad_refuses_bad_arguments(kernel_backend):
+    product = torch.randn(4, 6, device=kernel_backend.device)
+    columns, rows = torch.ones(6, device=product.device), torch.ones(4, device=product.device)
+    for ops in (kernel_backend.module, torch_ops):
+        with pytest.raises(ValueError, match="affine_weight_grad: needs a scale or a shift"):
+            ops.affine_weight_grad(product, None, None, None, torch.float32)
+        with pytest.raises(ValueError, match="affine_weight_grad: total .* comes with a shift"):
+            ops.affine_weight_grad(product, rows, columns, None, torch.float32)
+        with pytest.raises(ValueError, match="affine_weight_grad: expected 6 scale values of dtype"):
+            ops.affine_weight_grad(product, None, columns.double(), None, torch.float32)
+        with pytest.raises(ValueError, match="affine_weight_grad: expected 4 total values"):
+            ops.affine_weight_grad(product, rows[:3], None, columns, torch.float32)
 
 
 def test_norm_non_contiguous_inputs(kernel_backend):

@@ -166,6 +166,21 @@ class KernelContract(Protocol):
         ``grad`` (``dtype``, ``x``'s shape) is the gradient of what the layer read. What the affine and two ``dropout``
         calls give, with a fused multiply-add where a backend fuses it; one launch where they took three to five."""
 
+    def affine_weight_grad(
+        self,
+        product: torch.Tensor,
+        total: torch.Tensor | None,
+        scale: torch.Tensor | None,
+        shift: torch.Tensor | None,
+        dtype: torch.dtype,
+    ) -> torch.Tensor:
+        """A linear's weight gradient where it read a norm's output ``x = z * scale + shift`` and saved ``z``:
+        ``product * scale + outer(total, shift)``, with ``product = grad^T @ z`` (out x in, contiguous) and ``total =
+        sum(grad)`` over the rows (``out`` values of ``product``'s dtype; None without a shift); ``scale`` and
+        ``shift`` per input feature in the accumulate dtype of ``dtype`` (either None, not both). Computed in that
+        accumulate dtype and returned in ``dtype`` (the weight's): one pass where a widening copy, a scaling, an
+        outer-product add and a narrowing copy took four."""
+
     def cross_entropy_grad_(
         self,
         logits: torch.Tensor,

@@ -71,6 +71,9 @@ SCHEMAS = {
     "dropout_input_and_grad": (
         "(Tensor x, Tensor? scale, Tensor? shift, ScalarType dtype, Tensor grad, float p, Tensor seed) -> (Tensor, Tensor)"
     ),
+    "affine_weight_grad": (
+        "(Tensor product, Tensor? total, Tensor? scale, Tensor? shift, ScalarType dtype) -> Tensor"
+    ),
     "cross_entropy_grad_": (
         "(Tensor(a!) logits, Tensor target, int ignore_index, float label_smoothing, float softcap,"
         " Tensor? row_scale=None) -> Tensor"
@@ -261,6 +264,18 @@ def _dropout_input_and_grad_fake(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     read = torch.empty_like(x, dtype=dtype, memory_format=torch.contiguous_format)
     return read, torch.empty_like(grad, memory_format=torch.contiguous_format)
+
+
+@_fake("affine_weight_grad")
+def _affine_weight_grad_fake(
+    product: torch.Tensor,
+    total: torch.Tensor | None,
+    scale: torch.Tensor | None,
+    shift: torch.Tensor | None,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    torch_ops.check_affine_weight_grad(product, total, scale, shift, dtype)
+    return product.new_empty(product.shape, dtype=dtype)
 
 
 @_fake("cross_entropy_grad_")

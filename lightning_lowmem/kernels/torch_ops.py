@@ -7,7 +7,6 @@ is what the tests hold every other backend to.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -236,27 +235,18 @@ def check_affine(op: str, dim: int, dtype: torch.dtype, scale: torch.Tensor | No
             )
 
 
-def with_affine(norm_forward: Callable) -> Callable:
-    """The ``norm_affine_forward`` of a backend whose norm kernel does not fuse the affine: ``norm_forward``,
-    then :func:`affine` as a PyTorch pass."""
-
-    def norm_affine_forward(
-        x: torch.Tensor,
-        dim: int,
-        eps: float,
-        center: bool,
-        out_dtype: torch.dtype,
-        scale: torch.Tensor | None,
-        shift: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        check_affine("norm_affine_forward", dim, x.dtype, scale, shift)
-        z, rstd = norm_forward(x, dim, eps, center, out_dtype)
-        return affine(z, scale, shift), z, rstd
-
-    return norm_affine_forward
-
-
-norm_affine_forward = with_affine(norm_forward)
+def norm_affine_forward(
+    x: torch.Tensor,
+    dim: int,
+    eps: float,
+    center: bool,
+    out_dtype: torch.dtype,
+    scale: torch.Tensor | None,
+    shift: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    check_affine("norm_affine_forward", dim, x.dtype, scale, shift)
+    z, rstd = norm_forward(x, dim, eps, center, out_dtype)
+    return affine(z, scale, shift), z, rstd
 
 
 def norm_exact_columns(scale: torch.Tensor | None, shift: torch.Tensor | None) -> torch.Tensor:
@@ -400,6 +390,41 @@ def dropout_input_and_grad(
         )
     rebuilt = x.to(dtype) if scale is None and shift is None else affine(x, scale, shift, dtype)
     return dropout(rebuilt, p, seed), dropout(grad, p, seed)
+
+
+def check_affine_weight_grad(
+    product: torch.Tensor,
+    total: torch.Tensor | None,
+    scale: torch.Tensor | None,
+    shift: torch.Tensor | None,
+    dtype: torch.dtype,
+) -> None:
+    if product.dim() != 2 or not product.is_floating_point():
+        raise ValueError(f"affine_weight_grad: product must be a floating (out, in) matrix, got {tuple(product.shape)}")
+    check_affine("affine_weight_grad", product.shape[1], dtype, scale, shift)
+    if (shift is None) != (total is None):
+        raise ValueError("affine_weight_grad: total (the gradient's sum) comes with a shift, and only with one")
+    if total is not None and (total.shape != product.shape[:1] or total.dtype != product.dtype):
+        raise ValueError(
+            f"affine_weight_grad: expected {product.shape[0]} total values of dtype {product.dtype}, got "
+            f"{tuple(total.shape)} {total.dtype}"
+        )
+
+
+def affine_weight_grad(
+    product: torch.Tensor,
+    total: torch.Tensor | None,
+    scale: torch.Tensor | None,
+    shift: torch.Tensor | None,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    check_affine_weight_grad(product, total, scale, shift, dtype)
+    out = product.to(accumulate_dtype(dtype))
+    if scale is not None:
+        out = out * scale
+    if shift is not None:
+        out = torch.addr(out, total.to(out.dtype), shift)
+    return out.to(dtype)
 
 
 CROSS_ENTROPY_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

@@ -90,13 +90,19 @@ def launch_every_choice(ops: Any, device: torch.device | str = "cpu") -> None:
         for scale, shift in ((None, None), (columns, None), (columns, columns)):  # LoRA's input: as it is, RMS, LN
             for first in (seed, torch.tensor([1, 2**40], device=device)):
                 ops.dropout_input_and_grad(x, scale, shift, dtype, x, 0.1, first)
+        for weights in {dtype, torch.float32}:  # bf16-true, or fp32 weights under autocast
+            for scale, shift in ((columns, None), (columns, columns), (None, columns)):  # RMS, LN, a shift alone
+                ops.affine_weight_grad(x, None if shift is None else x[:, 0], scale, shift, weights)
         for dim in sorted({triton_ops.norm_settings(n)[0] for n in lengths}):
             rows, rstd = tensor(2, dim, dtype=dtype), tensor(2, like=1.0)
             for center in (True, False):
                 for out in {dtype, torch.bfloat16} if dtype == torch.float32 else {dtype}:
                     ops.norm_forward(rows, dim, 1e-5, center, out)
+                affine = tensor(dim, like=1.0)  # LayerNorm's scale and shift, RMSNorm's scale
+                ops.norm_affine_forward(rows, dim, 1e-5, center, dtype, affine, affine if center else None)
                 for scale in (None, tensor(dim, like=1.0)):
                     ops.norm_backward(rows, rows, rstd, scale, dim, center, torch.float32, False)
+        ops.norm_backward(x, x, tensor(2, like=1.0), None, 64, True, torch.float32, True)  # and the column sums
     for dtype in torch_ops.CROSS_ENTROPY_DTYPES:
         for vocab in sorted({triton_ops.cross_entropy_settings(n, dtype)[0] for n in lengths}):
             for cap in (0.0, 30.0):

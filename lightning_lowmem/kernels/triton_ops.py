@@ -25,6 +25,7 @@ MAX_NORM_BLOCK = 4096  # norms hold up to this many elements of a row at once an
 MAX_CE_BLOCK = 4096  # the cross-entropy step likewise, over a row of logits
 MIN_ROW_BLOCK = 128  # the smallest row chunk: one element per thread of 4 warps
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+COLUMN_TILE, COLUMN_SUM_ROWS, COLUMN_SUM_CHUNKS = 64, 64, 64  # a norm's column sums: columns a program, rows a chunk
 
 
 @triton.jit
@@ -59,12 +60,17 @@ def _act_backward_kernel(grad_ptr, packed_ptr, levels_ptr, out_ptr, numel, BITS:
 
 
 @triton.jit
-def _norm_forward_kernel(x_ptr, z_ptr, rstd_ptr, dim, eps, CENTER: tl.constexpr, BLOCK: tl.constexpr):
+def _norm_forward_kernel(
+    x_ptr, z_ptr, rstd_ptr, scale_ptr, shift_ptr, y_ptr, dim, eps,
+    CENTER: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_SHIFT: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
     # One row per program in chunks of BLOCK. LayerNorm merges each chunk's mean and centered sum of
     # squares into the row's (Chan et al.): fp32 statistics as accurate as two passes, the row read twice.
+    # With a scale or a shift, y = scale * z + shift from z as stored, in the pass that writes z.
     row = tl.program_id(0).to(tl.int64)
     x_ptr += row * dim
     z_ptr += row * dim
+    y_ptr += row * dim
     cols = tl.arange(0, BLOCK)
     mean = 0.0
     m2 = 0.0
@@ -86,7 +92,15 @@ def _norm_forward_kernel(x_ptr, z_ptr, rstd_ptr, dim, eps, CENTER: tl.constexpr,
     for start in range(0, dim, BLOCK):
         inside = start + cols < dim
         x = tl.load(x_ptr + start + cols, mask=inside, other=0.0).to(tl.float32)
-        tl.store(z_ptr + start + cols, ((x - mean) * rstd).to(z_ptr.dtype.element_ty), mask=inside)
+        z = ((x - mean) * rstd).to(z_ptr.dtype.element_ty)
+        tl.store(z_ptr + start + cols, z, mask=inside)
+        if HAS_SCALE or HAS_SHIFT:
+            y = z.to(tl.float32)
+            if HAS_SCALE:
+                y = y * tl.load(scale_ptr + start + cols, mask=inside, other=0.0)
+            if HAS_SHIFT:
+                y = y + tl.load(shift_ptr + start + cols, mask=inside, other=0.0)
+            tl.store(y_ptr + start + cols, y.to(y_ptr.dtype.element_ty), mask=inside)
 
 
 @triton.jit
@@ -132,6 +146,30 @@ def _norm_backward_kernel(
         z = tl.load(z_ptr + start + cols, mask=inside, other=0.0).to(tl.float32)
         dx = rstd * ((g - mean_g) - z * mean_gz)
         tl.store(out_ptr + start + cols, dx.to(out_ptr.dtype.element_ty), mask=inside)
+
+
+@triton.jit
+def _norm_column_sums_kernel(
+    grad_ptr, z_ptr, partial_ptr, rows, dim, rows_per_chunk, ROWS: tl.constexpr, COLUMNS: tl.constexpr
+):
+    # sum(grad * z) and sum(grad) over a chunk of rows (program_id 1) for a tile of columns (program_id 0), fp32;
+    # the caller sums the chunks: a norm's gamma and beta gradients in two launches, in a fixed order
+    column = tl.program_id(0) * COLUMNS + tl.arange(0, COLUMNS)
+    chunk = tl.program_id(1).to(tl.int64)
+    first = chunk * rows_per_chunk
+    last = tl.minimum(first + rows_per_chunk, rows)
+    grad_z = tl.zeros((COLUMNS,), dtype=tl.float32)
+    grad_sum = tl.zeros((COLUMNS,), dtype=tl.float32)
+    for start in range(0, rows_per_chunk, ROWS):
+        row = first + start + tl.arange(0, ROWS)
+        inside = (row < last)[:, None] & (column < dim)[None, :]
+        offsets = row[:, None] * dim + column[None, :]
+        g = tl.load(grad_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
+        grad_z += tl.sum(g * z, axis=0)
+        grad_sum += tl.sum(g, axis=0)
+    tl.store(partial_ptr + chunk * 2 * dim + column, grad_z, mask=column < dim)
+    tl.store(partial_ptr + (chunk * 2 + 1) * dim + column, grad_sum, mask=column < dim)
 
 
 @triton.jit
@@ -228,6 +266,24 @@ def _gated_exceptions_backward_kernel(
     up = tl.load(up_at_ptr + index, mask=used, other=0.0).to(tl.float32)
     _, slope = _activation_and_slope(gate, KIND)
     tl.store(grad_gate_ptr + element, (grad * up * slope).to(grad_gate_ptr.dtype.element_ty), mask=used)
+
+
+@triton.jit
+def _affine_weight_grad_kernel(
+    product_ptr, total_ptr, scale_ptr, shift_ptr, out_ptr, numel, cols,
+    HAS_SCALE: tl.constexpr, HAS_SHIFT: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    # product * scale + total (x) shift, fp32: a linear's weight gradient from a norm's shared z
+    index = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    inside = index < numel
+    column = index % cols
+    value = tl.load(product_ptr + index, mask=inside, other=0.0).to(tl.float32)
+    if HAS_SCALE:
+        value = value * tl.load(scale_ptr + column, mask=inside, other=0.0)
+    if HAS_SHIFT:
+        total = tl.load(total_ptr + index // cols, mask=inside, other=0.0).to(tl.float32)
+        value = value + total * tl.load(shift_ptr + column, mask=inside, other=0.0)
+    tl.store(out_ptr + index, value.to(out_ptr.dtype.element_ty), mask=inside)
 
 
 @triton.jit
@@ -456,21 +512,54 @@ def norm_forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if x.dtype == torch.float64:
         return torch_ops.norm_forward(x, dim, eps, center, out_dtype)
+    _, z, rstd = _norm_forward(x, dim, eps, center, out_dtype, None, None)
+    return z, rstd
+
+
+def norm_affine_forward(
+    x: torch.Tensor,
+    dim: int,
+    eps: float,
+    center: bool,
+    out_dtype: torch.dtype,
+    scale: torch.Tensor | None,
+    shift: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    torch_ops.check_affine("norm_affine_forward", dim, x.dtype, scale, shift)
+    if x.dtype == torch.float64:
+        return torch_ops.norm_affine_forward(x, dim, eps, center, out_dtype, scale, shift)
+    return _norm_forward(x, dim, eps, center, out_dtype, scale, shift)
+
+
+def _norm_forward(
+    x: torch.Tensor,
+    dim: int,
+    eps: float,
+    center: bool,
+    out_dtype: torch.dtype,
+    scale: torch.Tensor | None,
+    shift: torch.Tensor | None,
+) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """``(y, z, rstd)``, ``y`` None without a scale or a shift: one launch."""
     _check_float("norm_forward", "x", x)
     if not eps > 0:
         raise ValueError(f"norm_forward: eps must be positive, got {eps}")
     rows = _rows("norm_forward", x, dim)
     z = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
+    y = None if scale is None and shift is None else torch.empty_like(z)
     if rows == 0:
-        return z, rstd
+        return y, z, rstd
     block, warps = norm_settings(dim)
     with _launching_on("norm_forward", x):
-        _norm_forward_kernel[(rows,)](x.contiguous(), z, rstd, dim, eps, CENTER=center, BLOCK=block, num_warps=warps)
-    return z, rstd
+        _norm_forward_kernel[(rows,)](
+            x.contiguous(), z, rstd, rstd if scale is None else scale.contiguous(),
+            rstd if shift is None else shift.contiguous(), z if y is None else y, dim, eps,
+            CENTER=center, HAS_SCALE=scale is not None, HAS_SHIFT=shift is not None, BLOCK=block, num_warps=warps,
+        )  # fmt: skip
+    return y, z, rstd
 
 
-norm_affine_forward = torch_ops.with_affine(norm_forward)  # the affine not fused here yet
 # the ops layer saves a frozen norm's output only on CPU (ops.norm): there Triton runs only interpreted, in tests
 norm_exact_columns, norm_output_forward = torch_ops.norm_exact_columns, torch_ops.norm_output_forward
 norm_output_backward = torch_ops.norm_output_backward
@@ -486,7 +575,7 @@ def norm_backward(
     dtype: torch.dtype,
     column_sums: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The column sums (gamma / beta gradients) are two torch reductions here; the CPU kernel fuses them."""
+    """The column sums (gamma / beta gradients): partial sums per chunk of rows, then a torch sum over the chunks."""
     if z.dtype == torch.float64:
         return torch_ops.norm_backward(grad, z, rstd, scale, dim, center, dtype, column_sums)
     _check_float("norm_backward", "grad", grad)
@@ -502,19 +591,25 @@ def norm_backward(
         raise ValueError(
             f"norm_backward: expected {dim} scale values of dtype float32, got {scale.numel()} of {scale.dtype}"
         )
-    grad = grad.to(z.dtype).contiguous()
+    grad, z = grad.to(z.dtype).contiguous(), z.contiguous()
     grad_input = torch.empty(z.shape, dtype=dtype, device=z.device)
-    sums = rstd.new_zeros(2, dim) if column_sums else rstd.new_empty(0)
+    sums = rstd.new_empty(0)
     if rows == 0:
-        return grad_input, sums
+        return grad_input, rstd.new_zeros(2, dim) if column_sums else sums
     block, warps = norm_settings(dim)
     with _launching_on("norm_backward", z):
         _norm_backward_kernel[(rows,)](
-            grad, z.contiguous(), rstd.contiguous(), rstd if scale is None else scale.contiguous(), grad_input, dim,
+            grad, z, rstd.contiguous(), rstd if scale is None else scale.contiguous(), grad_input, dim,
             CENTER=center, HAS_SCALE=scale is not None, BLOCK=block, num_warps=warps,
         )  # fmt: skip
-    if column_sums:
-        sums = torch_ops.affine_grad_sums(grad, z, dim, torch.float32)
+        if column_sums:
+            chunks = min(COLUMN_SUM_CHUNKS, triton.cdiv(rows, COLUMN_SUM_ROWS))
+            rows_per_chunk = triton.cdiv(rows, chunks)
+            partial = rstd.new_empty(chunks, 2, dim)
+            _norm_column_sums_kernel[(triton.cdiv(dim, COLUMN_TILE), chunks)](
+                grad, z, partial, rows, dim, rows_per_chunk, ROWS=COLUMN_SUM_ROWS // 4, COLUMNS=COLUMN_TILE
+            )
+            sums = partial.sum(0)
     return grad_input, sums
 
 
@@ -633,6 +728,30 @@ def dropout_input_and_grad(
             HAS_SHIFT=shift is not None, FIRST=seed.numel() > 1, BLOCK=ELEMENTS_PER_PROGRAM // 4,
         )  # fmt: skip
     return read, masked
+
+
+def affine_weight_grad(
+    product: torch.Tensor,
+    total: torch.Tensor | None,
+    scale: torch.Tensor | None,
+    shift: torch.Tensor | None,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    torch_ops.check_affine_weight_grad(product, total, scale, shift, dtype)
+    if dtype == torch.float64 or product.dtype == torch.float64:
+        return torch_ops.affine_weight_grad(product, total, scale, shift, dtype)
+    _check_float("affine_weight_grad", "product", product)
+    product = product.contiguous()
+    out = torch.empty(product.shape, dtype=dtype, device=product.device)
+    if product.numel() == 0:
+        return out
+    with _launching_on("affine_weight_grad", product):
+        _affine_weight_grad_kernel[(triton.cdiv(product.numel(), ELEMENTS_PER_PROGRAM),)](
+            product, product if total is None else total.contiguous(), product if scale is None else scale.contiguous(),
+            product if shift is None else shift.contiguous(), out, product.numel(), product.shape[1],
+            HAS_SCALE=scale is not None, HAS_SHIFT=shift is not None, BLOCK=ELEMENTS_PER_PROGRAM,
+        )  # fmt: skip
+    return out
 
 
 def cross_entropy_grad_(

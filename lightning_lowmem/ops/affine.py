@@ -29,24 +29,25 @@ def _weight_grad(
     dtype: torch.dtype,
     offset: float,
     shared: bool,
+    weight_dtype: torch.dtype,
 ) -> torch.Tensor:
-    """``grad^T @ x``. From a shared ``z`` (``x = (gamma + offset) * z + beta`` over the input features) it
-    is ``(grad^T @ z) * (gamma + offset) + outer(sum(grad), beta)``: ``x`` is never rebuilt, so nothing but
-    ``z`` crosses from forward to backward, also under torch.compile (whose partitioner saves a rebuilt
-    ``x`` rather than recompute it) and the extra work is weight-sized, not activation-sized. ``grad_sum``
-    is ``sum(grad)`` when the bias gradient has already computed it."""
-    inputs = saved.reshape(-1, saved.shape[-1]).to(dtype)
-    grad_w = grad_2d.t() @ inputs
+    """``grad^T @ x`` in ``weight_dtype``. From a shared ``z`` (``x = (gamma + offset) * z + beta`` over the input
+    features) it is ``(grad^T @ z) * (gamma + offset) + outer(sum(grad), beta)`` (the kernels' ``affine_weight_grad``,
+    one pass): ``x`` is never rebuilt, so nothing but ``z`` crosses from forward to backward, also under
+    torch.compile (whose partitioner saves a rebuilt ``x`` rather than recompute it) and the extra work is
+    weight-sized, not activation-sized. ``grad_sum`` is ``sum(grad)`` when the bias gradient has already computed
+    it."""
+    grad_w = grad_2d.t() @ saved.reshape(-1, saved.shape[-1]).to(dtype)
     if not shared or (gamma is None and beta is None):
-        return grad_w
-    # in place on our own product, widened first to the parameters' precision (autocast: fp32 norms)
-    grad_w = grad_w.to(torch.promote_types(dtype, (gamma if gamma is not None else beta).dtype))
-    if gamma is not None:
-        grad_w.mul_(affine_scale(gamma, offset))
-    if beta is not None:
-        grad_sum = grad_2d.sum(0) if grad_sum is None else grad_sum
-        grad_w.addr_(grad_sum.to(grad_w.dtype), beta.to(grad_w.dtype))
-    return grad_w
+        return grad_w.to(weight_dtype)
+    acc = kernels.torch_ops.accumulate_dtype(weight_dtype)
+    scale = None if gamma is None else affine_scale(gamma, offset).to(acc)
+    if beta is not None and grad_sum is None:
+        grad_sum = grad_2d.sum(0)
+    total = None if beta is None else grad_sum
+    return kernels.implementation(grad_w.device).affine_weight_grad(
+        grad_w, total, scale, None if beta is None else beta.to(acc), weight_dtype
+    )
 
 
 class AffineLinearFunction(torch.autograd.Function):
@@ -99,7 +100,7 @@ class AffineLinearFunction(torch.autograd.Function):
         elif needs_w and seed is not None:
             grad_w = grad_2d.t() @ _dropped_input(ctx, saved, gamma, beta, seed)
         elif needs_w:
-            grad_w = _weight_grad(grad_2d, grad_sum, saved, gamma, beta, dtype, ctx.offset, ctx.shared)
+            grad_w = _weight_grad(grad_2d, grad_sum, saved, gamma, beta, dtype, ctx.offset, ctx.shared, weight.dtype)
         elif needs_x and ctx.applies:  # the mask, applied to the gradient of what the layer read
             grad_x = impl.dropout(grad_x, ctx.p, seed)
         if needs_w:
