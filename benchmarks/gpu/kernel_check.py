@@ -22,7 +22,7 @@ from lightning_lowmem import kernels
 from lightning_lowmem.kernels import build, library, torch_ops, triton_aot
 from lightning_lowmem.surgery.example import tensors_in
 
-EXACT_OPS = ("act_codes", "act_backward", "dropout")
+EXACT_OPS = ("act_codes", "act_backward", "dropout", "gated_exceptions")
 
 
 def _copied(value: Any) -> Any:
