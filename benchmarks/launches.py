@@ -7,7 +7,9 @@ with less GPU time). So the count of calls is the CPU's proxy for a GPU's step t
 innermost calls that compute (a kernel launch each on a GPU, whoever dispatches them), per training step (forward,
 loss, backward), and among the first the seed draws (``aten::randint``, ``aten::random_``: a launch each on a GPU). Counts, not times: no
 quiet machine needed. Models: tiny LoRA BERT and LoRA LLaMA (peft, r=8 on every linear, ``lora_dropout`` 0.05) and a
-ViT (full fine-tuning), fp32, on the CPU kernels.
+ViT (full fine-tuning), fp32, on the CPU kernels (their autograd in C++, as the CUDA extension's); and again as a
+GPU without the CUDA extension runs them: the Triton kernels, run by Triton's interpreter in a second process (each
+launch a kernel call), and the Python autograd functions.
 
     python benchmarks/launches.py [--smoke] [--top N]
 """
@@ -16,7 +18,11 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
+import os
+import subprocess
 import sys
+import tempfile
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -32,7 +38,10 @@ from benchmarks.common import markdown_table, write_section
 from lightning_lowmem import apply_lowmem, kernels
 from lightning_lowmem.surgery.example import call, tensors_in
 
-NAMESPACES = ("aten::", "lowmem::")
+NAMESPACES = ("aten::", "lowmem::", "lowmem_triton::", "triton::")
+GPU_SIDE = {"LIGHTNING_LOWMEM_BACKEND": "triton", "TRITON_INTERPRET": "1"}
+"""The environment of the Triton fallback on a CPU: Triton's kernels, interpreted, as the ops call them on a GPU without
+the CUDA extension."""
 SEED_DRAWS = ("aten::randint", "aten::random_")
 NO_KERNEL = frozenset(
     "aten::" + name
@@ -49,6 +58,27 @@ GPU_FUSED = frozenset({"aten::bernoulli_"})
 ``bernoulli_`` then multiplies; a GPU's is one fused kernel)."""
 
 
+def _recording_triton_launches() -> None:
+    """Each launch of an interpreted Triton kernel a profiler event ``triton::<kernel>``: a kernel call."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    run = InterpretedFunction.run
+
+    def recorded(self, *args, **kwargs):
+        with torch.profiler.record_function(f"triton::{self.fn.__name__}"):
+            return run(self, *args, **kwargs)
+
+    InterpretedFunction.run = recorded
+
+
+def _inside_a_triton_kernel(event) -> bool:
+    """Whether ``event`` is the interpreter's own work inside a Triton launch (copies to and from its arrays)."""
+    parent = event.cpu_parent
+    while parent is not None and not parent.name.startswith("triton::"):
+        parent = parent.cpu_parent
+    return parent is not None
+
+
 def _operator_parent(event):
     """The nearest enclosing ``aten::``/``lowmem::`` call of a profiler event (None at top level)."""
     parent = event.cpu_parent
@@ -63,7 +93,7 @@ def profiled_calls(step: Callable[[], object]) -> tuple[Counter[str], Counter[st
     :data:`GPU_FUSED`) and runs no other that does (a kernel launch each on a GPU, whoever dispatches it)."""
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         step()
-    events = [e for e in prof.events() if e.name.startswith(NAMESPACES)]
+    events = [e for e in prof.events() if e.name.startswith(NAMESPACES) and not _inside_a_triton_kernel(e)]
     parents = {id(e): _operator_parent(e) for e in events}
     computes_inside: set[int] = set()  # calls with a computing call inside them
     for event in events:
@@ -128,35 +158,60 @@ def by_op(stock: Counter[str], converted: Counter[str], top: int) -> str:
     return markdown_table(["op", "stock", "converted", "change"], rows)
 
 
+def gpu_side(smoke: bool) -> dict[str, list[dict[str, int]]]:
+    """:func:`count` per model with the Triton fallback (:data:`GPU_SIDE`), in a fresh process (Triton reads the
+    variables when it first loads)."""
+    with tempfile.TemporaryDirectory() as folder:
+        out = Path(folder) / "gpu_side.json"
+        command = [sys.executable, __file__, "--gpu-side-json", str(out)] + (["--smoke"] if smoke else [])
+        subprocess.run(command, check=True, env={**os.environ, **GPU_SIDE}, timeout=1800)
+        return json.loads(out.read_text())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="16 tokens, no RESULTS.md update")
     parser.add_argument("--top", type=int, default=12, help="ops listed per model, by the change in their count")
+    parser.add_argument("--gpu-side-json", help=argparse.SUPPRESS)  # the second process: counts to this file
     args = parser.parse_args()
+    if args.gpu_side_json:
+        _recording_triton_launches()
+        counted = {name: [c for pair in count(build) for c in pair] for name, build in models(args.smoke).items()}
+        Path(args.gpu_side_json).write_text(json.dumps(counted))
+        return
+    gpu = gpu_side(args.smoke)
     rows, details = [], []
     for name, build in models(args.smoke).items():
         (stock, stock_kernels), (converted, converted_kernels) = count(build)
-        totals = [sum(c.values()) for c in (stock, converted, stock_kernels, converted_kernels)]
-        draws = [sum(c[d] for d in SEED_DRAWS) for c in (stock, converted)]
-        ratios = [f"{totals[1] / totals[0]:.2f}x", f"{totals[3] / totals[2]:.2f}x"]
-        rows.append([name, *totals[:2], ratios[0], *totals[2:], ratios[1], *draws])
+        _, _, gpu_converted, gpu_kernels = map(Counter, gpu[name])  # stock's, then converted's: calls, kernel calls
+        totals = [sum(c.values()) for c in (stock, converted, gpu_converted, stock_kernels, converted_kernels, gpu_kernels)]
+        draws = [sum(c[d] for d in SEED_DRAWS) for c in (stock, converted, gpu_converted)]
+        calls = [f"{totals[0]}", *(f"{t} ({t / totals[0]:.2f}x)" for t in totals[1:3])]
+        kernel_calls = [f"{totals[3]}", *(f"{t} ({t / totals[3]:.2f}x)" for t in totals[4:6])]
+        rows.append([name, *calls, *kernel_calls, "/".join(map(str, draws))])
         details.append(
             f"{name}, calls:\n\n{by_op(stock, converted, args.top)}\n\n"
-            f"{name}, kernel calls:\n\n{by_op(stock_kernels, converted_kernels, args.top)}"
+            f"{name}, kernel calls:\n\n{by_op(stock_kernels, converted_kernels, args.top)}\n\n"
+            f"{name}, kernel calls, Triton fallback:\n\n{by_op(stock_kernels, gpu_kernels, args.top)}"
         )
         print(" | ".join(map(str, rows[-1])), flush=True)
-    header = ["model (random init, fp32)", "stock calls", "converted calls", "converted / stock", "stock kernel calls",
-              "converted kernel calls", "converted / stock", "stock seed draws", "converted seed draws"]  # fmt: skip
+    header = ["model (random init, fp32)", "stock calls", "converted", "converted, Triton fallback",
+              "stock kernel calls", "converted", "converted, Triton fallback",
+              "seed draws (stock / converted / Triton fallback)"]  # fmt: skip
     body = (
         "## Operator calls per training step (the host's work on a GPU)\n\n"
-        "Per training step (forward, loss, backward), stock and converted, on the CPU kernels (backend "
-        f"`{kernels.backend('cpu')}`): *calls*, the profiler's `aten::` and `lowmem::` calls that no other such call "
-        "encloses (what Python and the autograd engine dispatch: host time on a GPU); *kernel calls*, the innermost "
-        "calls that compute (no other call inside; no view, allocation or no-op conversion; stock dropout's "
-        "`bernoulli_` left out, which a GPU's fused dropout draws in its one kernel): a launch each on a GPU. Seed "
-        "draws are `aten::randint` and `aten::random_`. At fine-tuning sizes a GPU step is bound by the host, so "
-        "fewer of both is the CPU's proxy for a step as fast as stock's.\n\n"
-        + markdown_table(header, rows) + "\n\n" + "\n\n".join(details)
+        "Per training step (forward, loss, backward), stock and converted: on the CPU kernels (backend "
+        f"`{kernels.backend('cpu')}`, their autograd in C++ as the CUDA extension's, a GPU's default), and as the "
+        "Triton fallback (`LIGHTNING_LOWMEM_BACKEND=triton TRITON_INTERPRET=1`: the Triton kernels interpreted and the "
+        "Python autograd functions, as a GPU without the CUDA extension runs them). *Calls*: the profiler's `aten::`, "
+        "`lowmem::` and `lowmem_triton::` calls that no other such call encloses (what Python and the autograd engine "
+        "dispatch: host time on a GPU). *Kernel calls*: the innermost calls that compute (no other computing call "
+        "inside; no view, allocation or no-op conversion; stock dropout's `bernoulli_` left out, which a GPU's fused "
+        "dropout draws in its one kernel) and every Triton launch: a launch each on a GPU. The CUDA extension launches "
+        "as the CPU kernels do but for two ops (ARCHITECTURE.md, \"Launches where the two differ\"): a trainable norm's "
+        "backward takes 3 (the CPU 1: ViT +10 here) and a k-bit activation's forward 2 (ViT, BERT +2). Seed draws are "
+        "`aten::randint` and `aten::random_`. At fine-tuning sizes a GPU step is bound by the host, so fewer of both is "
+        "the CPU's proxy for a step as fast as stock's.\n\n" + markdown_table(header, rows) + "\n\n" + "\n\n".join(details)
     )  # fmt: skip
     print(body)
     if not args.smoke:
