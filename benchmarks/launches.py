@@ -56,6 +56,7 @@ dropout that returns its input."""
 GPU_FUSED = frozenset({"aten::bernoulli_"})
 """Calls a GPU makes inside another's kernel: stock dropout's mask draw (the CPU's ``native_dropout`` draws with
 ``bernoulli_`` then multiplies; a GPU's is one fused kernel)."""
+NOT_KERNELS = NO_KERNEL | GPU_FUSED
 
 
 def _recording_triton_launches() -> None:
@@ -97,7 +98,7 @@ def profiled_calls(step: Callable[[], object]) -> tuple[Counter[str], Counter[st
     parents = {id(e): _operator_parent(e) for e in events}
     computes_inside: set[int] = set()  # calls with a computing call inside them
     for event in events:
-        if event.name not in NO_KERNEL | GPU_FUSED:
+        if event.name not in NOT_KERNELS:
             parent = parents[id(event)]
             while parent is not None and id(parent) not in computes_inside:
                 computes_inside.add(id(parent))
@@ -106,7 +107,7 @@ def profiled_calls(step: Callable[[], object]) -> tuple[Counter[str], Counter[st
     for event in events:
         if parents[id(event)] is None:
             top_level[event.name] += 1
-        if event.name not in NO_KERNEL | GPU_FUSED and id(event) not in computes_inside:
+        if event.name not in NOT_KERNELS and id(event) not in computes_inside:
             kernel_calls[event.name] += 1
     return top_level, kernel_calls
 

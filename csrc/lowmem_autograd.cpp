@@ -378,10 +378,8 @@ struct AffineLinearFunction : public torch::autograd::Function<AffineLinearFunct
     at::Tensor grad_x;
     if (needs_x) grad_x = grad.matmul(in_dtype(weight, dtype));
     if (needs_w && applies && needs_x) {  // the input the layer read and the gradient of it: one mask, one pass
-      const at::ScalarType acc = at::toOpMathType(dtype);
       OptionalTensor scale, shift;
-      if (shared && gamma.defined()) scale = in_dtype(affine_scale(gamma, offset), acc);
-      if (shared && beta.defined()) shift = in_dtype(beta, acc);
+      if (shared) std::tie(scale, shift) = affine_values(dtype, gamma, beta, offset);
       at::Tensor read;
       std::tie(read, grad_x) = drop_input_and_grad(inputs_saved, scale, shift, dtype, grad_x, p, seed);
       out[2] = in_dtype(grad_2d.t().mm(read.reshape({-1, read.size(-1)})), weight.scalar_type());
@@ -400,13 +398,9 @@ struct AffineLinearFunction : public torch::autograd::Function<AffineLinearFunct
       // ops.affine._weight_grad: (grad^T z) * (gamma + offset) + outer(sum(grad), beta) from a shared z, one pass
       const at::Tensor grad_w = grad_2d.t().mm(in_dtype(inputs_saved.reshape({-1, inputs_saved.size(-1)}), dtype));
       if (shared) {
-        const at::ScalarType acc = at::toOpMathType(weight.scalar_type());
-        OptionalTensor total, scale, shift;
-        if (gamma.defined()) scale = in_dtype(affine_scale(gamma, offset), acc);
-        if (beta.defined()) {
-          total = grad_sum.defined() ? grad_sum : grad_2d.sum(0);
-          shift = in_dtype(beta, acc);
-        }
+        const auto [scale, shift] = affine_values(weight.scalar_type(), gamma, beta, offset);
+        OptionalTensor total;
+        if (beta.defined()) total = grad_sum.defined() ? grad_sum : grad_2d.sum(0);
         out[2] = affine_weight_grad(grad_w, total, scale, shift, weight.scalar_type());
       } else {
         out[2] = in_dtype(grad_w, weight.scalar_type());

@@ -164,11 +164,16 @@ def gated_exceptions(act: torch.Tensor, up: torch.Tensor, slots: int) -> tuple[t
     rows, cols = rows_and_columns(act)
     zero = (act == 0).reshape(rows, cols)
     rank = zero.cumsum(-1)  # each zero's 1-based place in its row
-    slot = torch.where(zero & (rank <= slots), rank - 1, slots)  # the rest: a scratch column, sliced off
+    slot = torch.where(zero & (rank <= slots), rank - 1, slots)  # the rest: past the slots
     index = torch.arange(cols, dtype=torch.int32, device=act.device).expand(rows, cols)
-    columns = torch.full((rows, slots + 1), -1, dtype=torch.int32, device=act.device).scatter_(1, slot, index)
-    up_at = up.new_zeros(rows, slots + 1).scatter_(1, slot, up.reshape(rows, cols))
-    return columns[:, :slots].contiguous(), up_at[:, :slots].contiguous()
+    return _scattered(index, slot, slots, -1), _scattered(up.reshape(rows, cols), slot, slots, 0)
+
+
+def _scattered(values: torch.Tensor, at: torch.Tensor, width: int, fill: float) -> torch.Tensor:
+    """Rows of ``width`` filled with ``fill``, ``values`` scattered into them at columns ``at`` (those at ``width``
+    dropped: they land in a scratch column sliced off)."""
+    rows = values.new_full((values.shape[0], width + 1), fill)
+    return rows.scatter_(1, at, values)[:, :width].contiguous()
 
 
 def gated_backward(
@@ -189,9 +194,8 @@ def gated_backward(
         kept = torch.zeros_like(up)
         if columns is not None and columns.numel():
             cols = rows_and_columns(grad)[1]
-            scratch = up.new_zeros(columns.shape[0], cols + 1)  # unused slots land in the last column
-            at = torch.where(columns >= 0, columns, cols).long()
-            kept = scratch.scatter_(1, at, up_at.to(acc))[:, :cols].reshape(up.shape)
+            at = torch.where(columns >= 0, columns, cols).long()  # unused slots: dropped
+            kept = _scattered(up_at.to(acc), at, cols, 0).reshape(up.shape)
         up = torch.where(value != 0, up / value, kept)
     grad_acc = grad.to(acc)
     return (grad_acc * up * slope).to(grad.dtype), (grad_acc * value).to(grad.dtype)

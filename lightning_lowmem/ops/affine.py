@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from lightning_lowmem import kernels
 from lightning_lowmem.kernels import library
 from lightning_lowmem.ops.dropout import draw_seed
-from lightning_lowmem.ops.norm import affine_scale
+from lightning_lowmem.ops.norm import affine_scale, affine_values
 
 
 def _weight_grad(
@@ -40,14 +40,11 @@ def _weight_grad(
     grad_w = grad_2d.t() @ saved.reshape(-1, saved.shape[-1]).to(dtype)
     if not shared or (gamma is None and beta is None):
         return grad_w.to(weight_dtype)
-    acc = kernels.torch_ops.accumulate_dtype(weight_dtype)
-    scale = None if gamma is None else affine_scale(gamma, offset).to(acc)
+    scale, shift = affine_values(weight_dtype, gamma, beta, offset)
     if beta is not None and grad_sum is None:
         grad_sum = grad_2d.sum(0)
     total = None if beta is None else grad_sum
-    return kernels.implementation(grad_w.device).affine_weight_grad(
-        grad_w, total, scale, None if beta is None else beta.to(acc), weight_dtype
-    )
+    return kernels.implementation(grad_w.device).affine_weight_grad(grad_w, total, scale, shift, weight_dtype)
 
 
 class AffineLinearFunction(torch.autograd.Function):
@@ -115,11 +112,7 @@ class AffineLinearFunction(torch.autograd.Function):
 def _affine(ctx, gamma, beta) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """The affine that rebuilds the input from a shared ``z`` (scale, shift: ``dropout_input_and_grad``'s arguments,
     in the compute dtype's accumulate dtype), or none."""
-    if not ctx.shared:
-        return None, None
-    acc = kernels.torch_ops.accumulate_dtype(ctx.dtype)
-    scale = None if gamma is None else affine_scale(gamma, ctx.offset).to(acc)
-    return scale, None if beta is None else beta.to(acc)
+    return affine_values(ctx.dtype, gamma, beta, ctx.offset) if ctx.shared else (None, None)
 
 
 def _dropped_input(ctx, saved: torch.Tensor, gamma, beta, seed: torch.Tensor) -> torch.Tensor:

@@ -58,14 +58,13 @@ class GatedActivationFunction(torch.autograd.Function):
     ``lowmem::gated_activation`` is this function in C++ (the eager path of the compiled backends)."""
 
     @staticmethod
-    def forward(ctx, gate: torch.Tensor, up: torch.Tensor, kind: str, recover_up: bool) -> torch.Tensor:
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor, kind: str, recover_up: bool, slots: int) -> torch.Tensor:
         act = kernels.torch_ops.stock_activation(gate, kind)
         h = act * up  # on the inputs as given: stock bits
         # a contiguous copy of a strided half (timm's packed fc1), not a view that keeps both halves alive;
         # an expanded gate is kept as it is (it holds fewer elements than a copy)
         saved_gate = gate if 0 in gate.stride() else gate.contiguous()
         if recover_up:
-            slots = slots_per_row(gate.shape[-1] if gate.dim() else 1)
             ctx.save_for_backward(saved_gate, h, *kernels.implementation(act.device).gated_exceptions(act, up, slots))
         else:
             ctx.save_for_backward(saved_gate, up.contiguous())
@@ -82,8 +81,8 @@ class GatedActivationFunction(torch.autograd.Function):
         grad_gate, grad_up = kernels.implementation(grad.device).gated_backward(
             grad, gate, second, ctx.kind, act, *exceptions
         )
-        needs_gate, needs_up, _, _ = ctx.needs_input_grad
-        return grad_gate if needs_gate else None, grad_up if needs_up else None, None, None
+        needs_gate, needs_up = ctx.needs_input_grad[:2]
+        return grad_gate if needs_gate else None, grad_up if needs_up else None, None, None, None
 
 
 def forward_activation(
@@ -121,7 +120,7 @@ def gated_activation(
     gate, up = gate.to(dtype), up.to(dtype)
     if not (needs_graph(gate) or needs_graph(up)):
         return kernels.torch_ops.stock_activation(gate, kind) * up
+    slots = slots_per_row(gate.shape[-1] if gate.dim() else 1)  # where act is 0, up kept for this many a row
     if kernels.autograd_in_cpp(gate):
-        slots = slots_per_row(gate.shape[-1] if gate.dim() else 1)
         return kernels.library.OPS.gated_activation.default(gate, up, kind, mode == "gate", slots)
-    return GatedActivationFunction.apply(gate, up, kind, mode == "gate")
+    return GatedActivationFunction.apply(gate, up, kind, mode == "gate", slots)
