@@ -13,9 +13,11 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <initializer_list>
 #include <optional>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "lowmem_kernels.h"
@@ -26,6 +28,16 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 using OptionalTensor = std::optional<at::Tensor>;
+
+// Every tensor of a call on x's device, type and index: the functions below call kernels directly, which read them
+// all as one device's memory (a weight on another GPU would be an illegal address there).
+void check_devices(c10::string_view op, const at::Tensor& x,
+                   std::initializer_list<std::pair<const char*, const OptionalTensor*>> others) {
+  for (const auto& [name, tensor] : others) {
+    TORCH_CHECK(!tensor->has_value() || (*tensor)->device() == x.device(), op, ": ", name, " must be on ", x.device(),
+                " with the input, got ", (*tensor)->device());
+  }
+}
 
 // The Python functions' message (lightning_lowmem/ops/_checks.py: refuse_double_backward).
 void refuse_double_backward(const std::string& op) {
@@ -220,6 +232,7 @@ std::tuple<at::Tensor, at::Tensor> ms_norm(const at::Tensor& x, const OptionalTe
                                            double eps, bool center, at::ScalarType out_dtype, double offset,
                                            c10::string_view name) {
   TORCH_CHECK_VALUE(gamma.has_value() || beta.has_value(), name, ": lowmem::ms_norm needs a weight or a bias");
+  check_devices(name, x, {{"weight", &gamma}, {"bias", &beta}});
   variable_list out =
       MemorySharingNormFunction::apply(x, gamma, beta, max_exact_columns, dim, eps, center, out_dtype, offset, name);
   return {out[0], out.size() > 1 ? out[1] : at::Tensor()};  // no z (None) where the norm saved y
@@ -419,6 +432,9 @@ at::Tensor affine_linear(const at::Tensor& x, const OptionalTensor& z, const at:
                          const OptionalTensor& bias, const OptionalTensor& gamma, const OptionalTensor& beta,
                          at::ScalarType dtype, double offset, double p, const OptionalTensor& dropped_seed) {
   TORCH_CHECK_VALUE(p >= 0.0 && p < 1.0, "affine_linear: dropout p must be in [0, 1), got ", p);
+  const OptionalTensor w = weight;
+  check_devices("affine_linear", x,
+                {{"z", &z}, {"weight", &w}, {"bias", &bias}, {"gamma", &gamma}, {"beta", &beta}, {"seed", &dropped_seed}});
   return AffineLinearFunction::apply(x, z, weight, bias, gamma, beta, dtype, offset, p, dropped_seed);
 }
 
@@ -545,6 +561,8 @@ struct GatedActivationFunction : public torch::autograd::Function<GatedActivatio
 
 at::Tensor gated_activation(const at::Tensor& gate, const at::Tensor& up, c10::string_view kind, bool recover_up,
                             int64_t slots) {
+  const OptionalTensor u = up;
+  check_devices("gated_activation", gate, {{"up", &u}});
   return GatedActivationFunction::apply(gate, up, kind, recover_up, slots);
 }
 

@@ -26,13 +26,16 @@ at::ScalarType accumulate_type(at::ScalarType t) {
   return t == at::kDouble ? at::kDouble : at::kFloat;
 }
 
-void check_tensor(const char* op, const char* name, const at::Tensor& t) {
+// `t` on this extension's device type and, as every tensor of one call, on `device` (the first input's): a kernel
+// reads them all as one GPU's memory, so an index that differs is refused here, not an illegal address there.
+void check_tensor(const char* op, const char* name, const at::Tensor& t, const at::Device& device) {
   TORCH_CHECK(t.device().type() == kKernelDevice, op, ": ", name, " must be on ", c10::DeviceTypeName(kKernelDevice, /*lower_case=*/true),
               " for this extension, got ", t.device());
+  TORCH_CHECK(t.device() == device, op, ": ", name, " must be on ", device, " with the other tensors, got ", t.device());
 }
 
-void check_float(const char* op, const char* name, const at::Tensor& t) {
-  check_tensor(op, name, t);
+void check_float(const char* op, const char* name, const at::Tensor& t, const at::Device& device) {
+  check_tensor(op, name, t, device);
   TORCH_CHECK_TYPE(is_float_type(t.scalar_type()), op, ": unsupported dtype ", t.scalar_type(), " for ", name,
                    "; supported: float16, bfloat16, float32, float64");
 }
@@ -55,7 +58,7 @@ at::Tensor packed_for(const at::Tensor& x, at::ArrayRef<double> thresholds) {
 
 // Codes only: the activation itself is the caller's (the stock op, bit-exact by construction).
 at::Tensor act_codes_op(const at::Tensor& x, at::ArrayRef<double> thresholds) {
-  check_float("act_codes", "x", x);
+  check_float("act_codes", "x", x, x.device());
   check_thresholds("act_codes", thresholds);
   at::Tensor packed = packed_for(x, thresholds);
   if (x.numel() > 0) act_codes(x.contiguous(), thresholds.data(), thresholds.size(), packed);
@@ -65,7 +68,7 @@ at::Tensor act_codes_op(const at::Tensor& x, at::ArrayRef<double> thresholds) {
 // The stock activation's output and the codes of x, in one pass where the device has one.
 std::tuple<at::Tensor, at::Tensor> act_forward_op(const at::Tensor& x, c10::string_view kind,
                                                   at::ArrayRef<double> thresholds) {
-  check_float("act_forward", "x", x);
+  check_float("act_forward", "x", x, x.device());
   const Activation activation = activation_of("act_forward", kind);
   check_thresholds("act_forward", thresholds);
   at::Tensor xc = x.contiguous();
@@ -76,8 +79,8 @@ std::tuple<at::Tensor, at::Tensor> act_forward_op(const at::Tensor& x, c10::stri
 }
 
 at::Tensor act_backward_op(const at::Tensor& grad, const at::Tensor& packed, at::ArrayRef<double> levels) {
-  check_float("act_backward", "grad", grad);
-  check_tensor("act_backward", "packed", packed);
+  check_float("act_backward", "grad", grad, grad.device());
+  check_tensor("act_backward", "packed", packed, grad.device());
   TORCH_CHECK_TYPE(packed.scalar_type() == at::kByte, "act_backward: packed codes must be uint8, got ",
                    packed.scalar_type());
   const int bits = levels.size() >= 2 ? storage_bits(static_cast<int64_t>(levels.size()) - 1) : 0;
@@ -98,7 +101,7 @@ int64_t rows_of(const char* op, const at::Tensor& t, int64_t dim) {
 
 // What both norm forward operators check.
 void check_norm_forward(const char* op, const at::Tensor& x, double eps, at::ScalarType out_dtype) {
-  check_float(op, "x", x);
+  check_float(op, "x", x, x.device());
   TORCH_CHECK_TYPE(is_float_type(out_dtype), op, ": unsupported output dtype ", out_dtype);
   TORCH_CHECK_VALUE(eps > 0, op, ": eps must be positive, got ", eps);
 }
@@ -116,9 +119,9 @@ std::tuple<at::Tensor, at::Tensor> norm_forward_op(const at::Tensor& x, int64_t 
 
 // `dim` values of the accumulate type, contiguous; undefined when not given.
 at::Tensor affine_values(const char* op, const char* name, const std::optional<at::Tensor>& t, int64_t dim,
-                         at::ScalarType acc) {
+                         at::ScalarType acc, const at::Device& device) {
   if (!t.has_value()) return at::Tensor();
-  check_tensor(op, name, *t);
+  check_tensor(op, name, *t, device);
   TORCH_CHECK_VALUE(t->numel() == dim && t->scalar_type() == acc, op, ": expected ", dim, " ", name,
                     " values of dtype ", acc, ", got ", t->numel(), " of ", t->scalar_type());
   return t->contiguous();
@@ -132,8 +135,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_affine_forward_op(const at::
   TORCH_CHECK_VALUE(scale.has_value() || shift.has_value(), "norm_affine_forward: needs a scale or a shift");
   const int64_t rows = rows_of("norm_affine_forward", x, dim);
   const at::ScalarType acc = accumulate_type(x.scalar_type());
-  const at::Tensor scale_values = affine_values("norm_affine_forward", "scale", scale, dim, acc);
-  const at::Tensor shift_values = affine_values("norm_affine_forward", "shift", shift, dim, acc);
+  const at::Tensor scale_values = affine_values("norm_affine_forward", "scale", scale, dim, acc, x.device());
+  const at::Tensor shift_values = affine_values("norm_affine_forward", "shift", shift, dim, acc, x.device());
   at::Tensor z = at::empty(x.sizes(), x.options().dtype(out_dtype));
   at::Tensor y = at::empty_like(z);
   at::Tensor rstd = at::empty({rows}, x.options().dtype(acc));
@@ -144,9 +147,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_affine_forward_op(const at::
 std::tuple<at::Tensor, at::Tensor> norm_backward_op(const at::Tensor& grad, const at::Tensor& z, const at::Tensor& rstd,
                                                     const std::optional<at::Tensor>& scale, int64_t dim, bool center,
                                                     at::ScalarType dtype, bool column_sums) {
-  check_float("norm_backward", "grad", grad);
-  check_float("norm_backward", "z", z);
-  check_tensor("norm_backward", "rstd", rstd);
+  check_float("norm_backward", "grad", grad, grad.device());
+  check_float("norm_backward", "z", z, grad.device());
+  check_tensor("norm_backward", "rstd", rstd, grad.device());
   TORCH_CHECK_TYPE(is_float_type(dtype), "norm_backward: unsupported output dtype ", dtype);
   TORCH_CHECK_VALUE(grad.sizes() == z.sizes(), "norm_backward: grad shape ", grad.sizes(), " differs from output shape ",
                     z.sizes());
@@ -156,7 +159,7 @@ std::tuple<at::Tensor, at::Tensor> norm_backward_op(const at::Tensor& grad, cons
                     " rstd values of dtype ", acc, ", got ", rstd.numel(), " of ", rstd.scalar_type());
   at::Tensor scale_values;
   if (scale.has_value()) {
-    check_tensor("norm_backward", "scale", *scale);
+    check_tensor("norm_backward", "scale", *scale, grad.device());
     TORCH_CHECK_VALUE(scale->numel() == dim && scale->scalar_type() == acc, "norm_backward: expected ", dim,
                       " scale values of dtype ", acc, ", got ", scale->numel(), " of ", scale->scalar_type());
     scale_values = scale->contiguous();
@@ -173,8 +176,8 @@ std::tuple<at::Tensor, at::Tensor> norm_backward_op(const at::Tensor& grad, cons
 
 #if !defined(LOWMEM_CUDA)
 // `columns`: ascending int64 indices below dim, each once (a loop: this runs on every call, on CPU).
-at::Tensor checked_columns(const char* op, const at::Tensor& columns, int64_t dim) {
-  check_tensor(op, "columns", columns);
+at::Tensor checked_columns(const char* op, const at::Tensor& columns, int64_t dim, const at::Device& device) {
+  check_tensor(op, "columns", columns, device);
   TORCH_CHECK_TYPE(columns.scalar_type() == at::kLong && columns.dim() == 1, op,
                    ": columns must be a 1-d int64 tensor, got ", columns.dim(), "-d ", columns.scalar_type());
   at::Tensor c = columns.contiguous();
@@ -208,8 +211,8 @@ at::Tensor norm_exact_columns_op(const std::optional<at::Tensor>& scale, const s
   const at::Tensor& any = scale.has_value() ? *scale : *shift;
   TORCH_CHECK_TYPE(any.scalar_type() == at::kFloat || any.scalar_type() == at::kDouble, op,
                    ": expected float32 or float64 values, got ", any.scalar_type());
-  const at::Tensor scale_values = affine_values(op, "scale", scale, any.numel(), any.scalar_type());
-  const at::Tensor shift_values = affine_values(op, "shift", shift, any.numel(), any.scalar_type());
+  const at::Tensor scale_values = affine_values(op, "scale", scale, any.numel(), any.scalar_type(), any.device());
+  const at::Tensor shift_values = affine_values(op, "shift", shift, any.numel(), any.scalar_type(), any.device());
   at::Tensor columns;
   AT_DISPATCH_FLOATING_TYPES(any.scalar_type(), "norm_exact_columns",
                              [&] { columns = exact_columns<scalar_t>(scale_values, shift_values, any.numel()); });
@@ -226,9 +229,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_output_forward_op(const at::
   TORCH_CHECK_VALUE(scale.has_value() || shift.has_value(), op, ": needs a scale or a shift");
   const int64_t rows = rows_of(op, x, dim);
   const at::ScalarType acc = accumulate_type(x.scalar_type());
-  const at::Tensor scale_values = affine_values(op, "scale", scale, dim, acc);
-  const at::Tensor shift_values = affine_values(op, "shift", shift, dim, acc);
-  const at::Tensor c = checked_columns(op, columns, dim);
+  const at::Tensor scale_values = affine_values(op, "scale", scale, dim, acc, x.device());
+  const at::Tensor shift_values = affine_values(op, "shift", shift, dim, acc, x.device());
+  const at::Tensor c = checked_columns(op, columns, dim, x.device());
   at::Tensor y = at::empty(x.sizes(), x.options().dtype(out_dtype));
   at::Tensor rstd = at::empty({rows}, x.options().dtype(acc));
   at::Tensor exact = at::empty({rows, c.numel()}, y.options());
@@ -241,9 +244,9 @@ at::Tensor norm_output_backward_op(const at::Tensor& grad, const at::Tensor& y, 
                                    const at::Tensor& columns, const at::Tensor& exact, int64_t dim, bool center,
                                    at::ScalarType dtype) {
   const char* op = "norm_output_backward";
-  check_float(op, "grad", grad);
-  check_float(op, "y", y);
-  check_tensor(op, "rstd", rstd);
+  check_float(op, "grad", grad, grad.device());
+  check_float(op, "y", y, grad.device());
+  check_tensor(op, "rstd", rstd, grad.device());
   TORCH_CHECK_TYPE(is_float_type(dtype), op, ": unsupported output dtype ", dtype);
   TORCH_CHECK_VALUE(grad.sizes() == y.sizes(), op, ": grad shape ", grad.sizes(), " differs from output shape ",
                     y.sizes());
@@ -251,13 +254,14 @@ at::Tensor norm_output_backward_op(const at::Tensor& grad, const at::Tensor& y, 
   const at::ScalarType acc = accumulate_type(y.scalar_type());
   TORCH_CHECK_VALUE(rstd.numel() == rows && rstd.scalar_type() == acc, op, ": expected ", rows,
                     " rstd values of dtype ", acc, ", got ", rstd.numel(), " of ", rstd.scalar_type());
-  const at::Tensor c = checked_columns(op, columns, dim);
+  const at::Tensor c = checked_columns(op, columns, dim, grad.device());
+  check_tensor(op, "exact", exact, grad.device());
   TORCH_CHECK_VALUE(exact.dim() == 2 && exact.size(0) == rows && exact.size(1) == c.numel() &&
                         exact.scalar_type() == y.scalar_type(),
                     op, ": expected exact of shape [", rows, ", ", c.numel(), "] and dtype ", y.scalar_type(),
                     ", got ", exact.sizes(), " ", exact.scalar_type());
-  const at::Tensor scale_values = affine_values(op, "scale", scale, dim, acc);
-  const at::Tensor shift_values = affine_values(op, "shift", shift, dim, acc);
+  const at::Tensor scale_values = affine_values(op, "scale", scale, dim, acc, grad.device());
+  const at::Tensor shift_values = affine_values(op, "shift", shift, dim, acc, grad.device());
   at::Tensor grad_input = at::empty(y.sizes(), y.options().dtype(dtype));
   if (rows > 0) {
     norm_output_backward(grad.to(y.scalar_type()).contiguous(), y.contiguous(), rstd.contiguous(), scale_values,
@@ -268,7 +272,7 @@ at::Tensor norm_output_backward_op(const at::Tensor& grad, const at::Tensor& y, 
 #endif
 
 void check_like(const char* name, const at::Tensor& t, const at::Tensor& grad) {
-  check_float("gated_backward", name, t);
+  check_float("gated_backward", name, t, grad.device());
   TORCH_CHECK_VALUE(t.sizes() == grad.sizes(), "gated_backward: shapes differ: grad ", grad.sizes(), ", ", name, " ",
                     t.sizes());
   TORCH_CHECK_TYPE(t.scalar_type() == grad.scalar_type(), "gated_backward: dtypes differ: grad ", grad.scalar_type(),
@@ -284,8 +288,8 @@ std::pair<int64_t, int64_t> rows_and_columns(const at::Tensor& t) {
 
 std::tuple<at::Tensor, at::Tensor> gated_exceptions_op(const at::Tensor& act, const at::Tensor& up, int64_t slots) {
   const char* op = "gated_exceptions";
-  check_float(op, "act", act);
-  check_tensor(op, "up", up);
+  check_float(op, "act", act, act.device());
+  check_tensor(op, "up", up, act.device());
   TORCH_CHECK_VALUE(up.sizes() == act.sizes() && up.scalar_type() == act.scalar_type(), op,
                     ": act and up must be floating tensors of one shape and dtype, got ", act.sizes(), " ",
                     act.scalar_type(), " and ", up.sizes(), " ", up.scalar_type());
@@ -312,7 +316,7 @@ std::tuple<at::Tensor, at::Tensor> gated_backward_op(const at::Tensor& grad, con
                                                      const std::optional<at::Tensor>& act,
                                                      const std::optional<at::Tensor>& columns,
                                                      const std::optional<at::Tensor>& up_at) {
-  check_float("gated_backward", "grad", grad);
+  check_float("gated_backward", "grad", grad, grad.device());
   const Activation activation = activation_of("gated_backward", kind);
   check_like("gate", gate, grad);
   check_like("second", second, grad);
@@ -324,8 +328,8 @@ std::tuple<at::Tensor, at::Tensor> gated_backward_op(const at::Tensor& grad, con
   TORCH_CHECK_VALUE(columns.has_value() == up_at.has_value() && (!columns.has_value() || act.has_value()),
                     "gated_backward: columns and up_at come together, and with act (gated_exceptions' output)");
   if (columns.has_value()) {
-    check_tensor("gated_backward", "columns", *columns);
-    check_tensor("gated_backward", "up_at", *up_at);
+    check_tensor("gated_backward", "columns", *columns, grad.device());
+    check_tensor("gated_backward", "up_at", *up_at, grad.device());
     const int64_t rows = rows_and_columns(grad).first;
     TORCH_CHECK_VALUE(columns->scalar_type() == at::kInt && columns->dim() == 2 && columns->size(0) == rows &&
                           up_at->sizes() == columns->sizes(),
@@ -349,8 +353,8 @@ std::tuple<at::Tensor, at::Tensor> gated_backward_op(const at::Tensor& grad, con
 // x * keep / (1 - p), the mask drawn from `seed` (see philox4x32 in lowmem_math.h): a forward and its backward
 // (on the gradient) with one seed apply one mask.
 at::Tensor dropout_op(const at::Tensor& x, double p, const at::Tensor& seed) {
-  check_float("dropout", "x", x);
-  check_tensor("dropout", "seed", seed);
+  check_float("dropout", "x", x, x.device());
+  check_tensor("dropout", "seed", seed, x.device());
   TORCH_CHECK_VALUE(p >= 0.0 && p < 1.0, "dropout: p must be in [0, 1), got ", p);
   TORCH_CHECK_VALUE(seed.scalar_type() == at::kLong && (seed.numel() == 1 || seed.numel() == 2) &&
                         seed.is_contiguous(),
@@ -368,9 +372,9 @@ std::tuple<at::Tensor, at::Tensor> dropout_input_and_grad_op(const at::Tensor& x
                                                              at::ScalarType dtype, const at::Tensor& grad, double p,
                                                              const at::Tensor& seed) {
   const char* op = "dropout_input_and_grad";
-  check_float(op, "x", x);
-  check_float(op, "grad", grad);
-  check_tensor(op, "seed", seed);
+  check_float(op, "x", x, x.device());
+  check_float(op, "grad", grad, x.device());
+  check_tensor(op, "seed", seed, x.device());
   TORCH_CHECK_VALUE(p >= 0.0 && p < 1.0, op, ": p must be in [0, 1), got ", p);
   TORCH_CHECK_VALUE(seed.scalar_type() == at::kLong && (seed.numel() == 1 || seed.numel() == 2) && seed.is_contiguous(),
                     op, ": seed must be one or two int64 values (a key, and a first counter), got ", seed.numel(), " of ",
@@ -378,8 +382,8 @@ std::tuple<at::Tensor, at::Tensor> dropout_input_and_grad_op(const at::Tensor& x
   TORCH_CHECK_VALUE(x.dim() > 0 && grad.sizes() == x.sizes() && grad.scalar_type() == dtype, op, ": grad must be ",
                     dtype, " of x's shape ", x.sizes(), ", got ", grad.scalar_type(), " ", grad.sizes());
   const at::ScalarType acc = accumulate_type(dtype);
-  const at::Tensor scale_values = affine_values(op, "scale", scale, x.size(-1), acc);
-  const at::Tensor shift_values = affine_values(op, "shift", shift, x.size(-1), acc);
+  const at::Tensor scale_values = affine_values(op, "scale", scale, x.size(-1), acc, x.device());
+  const at::Tensor shift_values = affine_values(op, "shift", shift, x.size(-1), acc, x.device());
   at::Tensor xc = x.contiguous(), g = grad.contiguous();
   at::Tensor read = at::empty(xc.sizes(), xc.options().dtype(dtype));
   at::Tensor masked = at::empty_like(g, at::MemoryFormat::Contiguous);
@@ -392,18 +396,18 @@ at::Tensor affine_weight_grad_op(const at::Tensor& product, const std::optional<
                                  const std::optional<at::Tensor>& scale, const std::optional<at::Tensor>& shift,
                                  at::ScalarType dtype) {
   const char* op = "affine_weight_grad";
-  check_float(op, "product", product);
+  check_float(op, "product", product, product.device());
   TORCH_CHECK_VALUE(product.dim() == 2, op, ": product must be a floating (out, in) matrix, got ", product.sizes());
   TORCH_CHECK_TYPE(is_float_type(dtype), op, ": unsupported dtype ", dtype);
   TORCH_CHECK_VALUE(scale.has_value() || shift.has_value(), op, ": needs a scale or a shift");
   const at::ScalarType acc = accumulate_type(dtype);
-  const at::Tensor scale_values = affine_values(op, "scale", scale, product.size(1), acc);
-  const at::Tensor shift_values = affine_values(op, "shift", shift, product.size(1), acc);
+  const at::Tensor scale_values = affine_values(op, "scale", scale, product.size(1), acc, product.device());
+  const at::Tensor shift_values = affine_values(op, "shift", shift, product.size(1), acc, product.device());
   TORCH_CHECK_VALUE(shift.has_value() == total.has_value(), op,
                     ": total (the gradient's sum) comes with a shift, and only with one");
   at::Tensor sums;
   if (total.has_value()) {
-    check_tensor(op, "total", *total);
+    check_tensor(op, "total", *total, product.device());
     TORCH_CHECK_VALUE(total->dim() == 1 && total->size(0) == product.size(0) &&
                           total->scalar_type() == product.scalar_type(),
                       op, ": expected ", product.size(0), " total values of dtype ", product.scalar_type(), ", got ",
@@ -419,8 +423,8 @@ at::Tensor affine_weight_grad_op(const at::Tensor& product, const std::optional<
 // The per-row loss of logits, which are overwritten with the loss's gradient (see cross_entropy_grad).
 at::Tensor cross_entropy_grad_op(at::Tensor& logits, const at::Tensor& target, int64_t ignore_index,
                                  double label_smoothing, double softcap, const std::optional<at::Tensor>& row_scale) {
-  check_tensor("cross_entropy_grad_", "logits", logits);
-  check_tensor("cross_entropy_grad_", "target", target);
+  check_tensor("cross_entropy_grad_", "logits", logits, logits.device());
+  check_tensor("cross_entropy_grad_", "target", target, logits.device());
   const auto dtype = logits.scalar_type();
   TORCH_CHECK_VALUE(logits.dim() == 2 && logits.is_contiguous() &&
                         (dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf),

@@ -304,17 +304,18 @@ int norm_threads(int64_t dim) {
 
 // One Philox counter (four elements) per thread; the seed is read on the device (no host synchronisation): from
 // `seed` (seed_words int64: key, first counter), or with kDraw from the generator's state, unpacked here (as ATen's
-// kernels do: CUDA-graph safe) and written to `seed` for the backward.
+// kernels do: CUDA-graph safe) and written to `seed` for the backward. ATen's offset counts 32-bit values of a
+// thread's subsequence; the mask takes subsequence 0's counters from offset / 4 on, four values each (what
+// dropout_draw reserves). `x` and `out` may be one tensor (an owned input dropped in place): no __restrict__.
 template <typename T, bool kDraw>
-__global__ void dropout_kernel(const T* __restrict__ x, int64_t numel, int64_t* __restrict__ seed, int seed_words,
-                               at::PhiloxCudaState state, uint32_t threshold, at::opmath_type<T> scale,
-                               T* __restrict__ out) {
+__global__ void dropout_kernel(const T* x, int64_t numel, int64_t* __restrict__ seed, int seed_words,
+                               at::PhiloxCudaState state, uint32_t threshold, at::opmath_type<T> scale, T* out) {
   using acc_t = at::opmath_type<T>;
   uint64_t key, first;
   if constexpr (kDraw) {
     const auto unpacked = at::cuda::philox::unpack(state);
     key = std::get<0>(unpacked);
-    first = std::get<1>(unpacked);
+    first = std::get<1>(unpacked) / 4;
     if (blockIdx.x == 0 && threadIdx.x == 0) {
       seed[0] = static_cast<int64_t>(key);
       seed[1] = static_cast<int64_t>(first);
@@ -368,7 +369,7 @@ void step_scale(const at::Tensor& grad, const at::Tensor& packed, const double* 
   });
 }
 
-// The affine is ATen's pass after the kernel here; the CPU kernel fuses it.
+// With a scale or shift, the kernel writes the affine's output y beside z (norm_affine_forward), as on the CPU.
 void norm_forward(const at::Tensor& x, int64_t dim, double eps, bool center, at::Tensor& z, at::Tensor& rstd,
                   const at::Tensor& scale, const at::Tensor& shift, at::Tensor& y) {
   const c10::cuda::CUDAGuard guard(x.device());
@@ -472,13 +473,14 @@ void gated_exceptions(const at::Tensor& act, const at::Tensor& up, at::Tensor& c
 
 namespace {
 
-// dropout_input_and_grad: one Philox counter (four elements) per thread, both outputs from its words.
+// dropout_input_and_grad: one Philox counter (four elements) per thread, both outputs from its words. `masked` may
+// be `grad` (a gradient masked in place): no __restrict__ on either.
 template <typename X, typename T>
 __global__ void dropout_pair_kernel(const X* __restrict__ x, const at::opmath_type<T>* __restrict__ scale,
                                     const at::opmath_type<T>* __restrict__ shift, int64_t dim,
-                                    const T* __restrict__ grad, int64_t numel, const int64_t* __restrict__ seed,
+                                    const T* grad, int64_t numel, const int64_t* __restrict__ seed,
                                     int seed_words, uint32_t threshold, at::opmath_type<T> kept_scale,
-                                    T* __restrict__ read, T* __restrict__ masked) {
+                                    T* __restrict__ read, T* masked) {
   using acc_t = at::opmath_type<T>;
   const uint64_t key = static_cast<uint64_t>(seed[0]);
   const uint64_t first = seed_words > 1 ? static_cast<uint64_t>(seed[1]) : 0;
@@ -567,12 +569,14 @@ void affine_weight_grad(const at::Tensor& product, const at::Tensor& total, cons
 }
 
 PhiloxSeed dropout_draw(const at::Tensor& x, double p, at::Tensor& out) {
+  const c10::cuda::CUDAGuard guard(x.device());  // before the state: a graph capture is read off x's device's stream
   auto* generator = at::get_generator_or_default<at::CUDAGeneratorImpl>(
       std::nullopt, at::cuda::detail::getDefaultCUDAGenerator(x.device().index()));
   at::PhiloxCudaState state;
   {
     std::lock_guard<std::mutex> lock(generator->mutex_);
-    state = generator->philox_cuda_state(static_cast<uint64_t>((x.numel() + 3) / 4));  // the counters it uses
+    // The values the kernel takes of subsequence 0: four per counter (ATen's own kernels reserve per thread).
+    state = generator->philox_cuda_state(static_cast<uint64_t>(4 * ((x.numel() + 3) / 4)));
   }
   PhiloxSeed seed;
   seed.tensor = at::empty({2}, x.options().dtype(at::kLong));

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import HAS_GPU
 from torch import nn
 
 from lightning_lowmem import kernels
@@ -19,11 +20,17 @@ from lightning_lowmem.ops.gated import gated_activation
 from lightning_lowmem.ops.norm import memory_sharing_norm
 
 PATHS = ["cpp", "python"]
+GPU = [pytest.mark.gpu, pytest.mark.skipif(not HAS_GPU, reason="no GPU")]
 
 
-@pytest.fixture(autouse=True)
-def _cpp_kernels():
-    assert kernels.backend("cpu") == "cpp"  # both paths run the extension's kernels
+@pytest.fixture(autouse=True, params=["cpu", pytest.param("cuda", marks=GPU)])
+def device(request) -> str:
+    """Each test on the CPU (the C++ extension) and, where there is one, a GPU (the CUDA extension's C++ autograd,
+    the default path of every CUDA tensor): its tensors and modules made there."""
+    assert kernels.backend(request.param) == ("cpp" if request.param == "cpu" else "cuda")  # both paths: its kernels
+    torch.set_default_device(request.param)
+    yield request.param
+    torch.set_default_device(None)
 
 
 def run(path: str, monkeypatch: pytest.MonkeyPatch, recorder, fn, *tensors: torch.Tensor):
@@ -104,7 +111,7 @@ def block(
 @pytest.mark.parametrize("frozen_norm", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, "autocast"])
 def test_norm_linears_and_activation_match(
-    norm_cls, weight_offset, bias, frozen_linear, frozen_input, frozen_norm, dtype, monkeypatch, recorder
+    norm_cls, weight_offset, bias, frozen_linear, frozen_input, frozen_norm, dtype, monkeypatch, recorder, device
 ):
     if frozen_input and frozen_norm:
         pytest.skip("nothing before the linears needs a gradient: the norm saves nothing")
@@ -116,7 +123,7 @@ def test_norm_linears_and_activation_match(
     params = [p for p in module.parameters() if p.requires_grad]
 
     def forward(x, *_):
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "autocast"):
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=dtype == "autocast"):
             return module(x)
 
     runs = {}
@@ -128,7 +135,7 @@ def test_norm_linears_and_activation_match(
     # the norm's output is what both linears saved: one storage for the three
     saved_c = runs["cpp"][3].saved
     assert saved_c[0].shape == x.shape and sum(t.data_ptr() == saved_c[0].data_ptr() for t in saved_c) >= 2
-    if frozen_norm:  # the norm saved its output, and z at column 0
+    if frozen_norm and device == "cpu":  # the norm saved its output, and z at column 0 (a GPU's saves z whole)
         (columns,) = [t for t in saved_c if t.dtype == torch.long]
         assert saved_c[0].grad_fn is not None and columns.tolist() == [0]
         assert [t.shape for t in saved_c if t.shape == (21, 1)] == [(21, 1)]
@@ -136,7 +143,7 @@ def test_norm_linears_and_activation_match(
 
 @pytest.mark.parametrize("frozen_norm", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, "autocast"])
-def test_dropouts_match_on_the_seeds_the_cpp_functions_draw(frozen_norm, dtype, monkeypatch, recorder):
+def test_dropouts_match_on_the_seeds_the_cpp_functions_draw(frozen_norm, dtype, monkeypatch, recorder, device):
     """A linear with a folded dropout (LoRA's) and a seeded dropout of the norm's output read by another linear
     (BERT's, its seed kept by it and, with a norm that saves z, by its reader): the C++ functions draw their seeds from the CPU generator in C++ and keep them as integers (no tensor
     saved); the Python functions, given those seeds, compute the same bits and save the rest alike."""
@@ -147,13 +154,14 @@ def test_dropouts_match_on_the_seeds_the_cpp_functions_draw(frozen_norm, dtype, 
     x = torch.randn(3, 7, 32, dtype=torch.bfloat16 if dtype == torch.bfloat16 else torch.float32)
 
     def forward(x):
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "autocast"):
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=dtype == "autocast"):
             y = module.norm(x)
             read = module.first(y)  # draws first
             return module.act(read).sum(-1, keepdim=True) * module.second(module.dropout(y))
 
     torch.manual_seed(0)
-    seeds = [library.OPS.seeded_dropout(torch.ones(1), 0.5)[1] for _ in range(2)]  # the C++ draws, in order
+    # the C++ draws, in order; of x's size, as a GPU's generator hands each draw the counters after the last one's
+    seeds = [library.OPS.seeded_dropout(torch.ones(x.shape), 0.5)[1] for _ in range(2)]
     runs = {}
     for path in PATHS:
         drawn = iter(seeds)
@@ -168,12 +176,16 @@ def test_dropouts_match_on_the_seeds_the_cpp_functions_draw(frozen_norm, dtype, 
     for grad_c, grad_p in zip(grads_c, grads_p, strict=True):
         assert torch.equal(grad_c, grad_p)
     seeds_saved = [t for t in rec_p.saved if t.dtype == torch.long and t.numel() == 2]
-    assert len(seeds_saved) == (2 if frozen_norm else 3) and not [
-        t for t in rec_c.saved if t.dtype == torch.long and t.numel() == 2
-    ]
-    assert [(t.dtype, t.shape) for t in rec_c.saved] == [
-        (t.dtype, t.shape) for t in rec_p.saved if not any(t is s for s in seeds_saved)
-    ]
+    assert len(seeds_saved) == (2 if frozen_norm else 3)
+    if device == "cpu":  # the CPU's seeds kept as integers: no tensor
+        assert not [t for t in rec_c.saved if t.dtype == torch.long and t.numel() == 2]
+        assert [(t.dtype, t.shape) for t in rec_c.saved] == [
+            (t.dtype, t.shape) for t in rec_p.saved if not any(t is s for s in seeds_saved)
+        ]
+    else:  # a GPU's seeds are tensors there, written by the kernel that drew the mask (no host read): kept alike
+        assert sorted((str(t.dtype), t.shape) for t in rec_c.saved) == sorted(
+            (str(t.dtype), t.shape) for t in rec_p.saved
+        )
     assert {"torch::autograd::CppNode<lowmem::(anonymous namespace)::AffineLinearFunction>"} <= names_c
 
 

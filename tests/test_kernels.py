@@ -356,10 +356,12 @@ def test_cuda_tensors_run_the_cuda_extension_by_default_and_triton_where_it_cann
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     capability = [(9, 0)]
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability[0])
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     built = [True]
     monkeypatch.setattr(build, "load", lambda kind: torch_ops if built[0] else build.BuildError("no nvcc"))
     monkeypatch.delenv(kernels.ENV_VAR, raising=False)
     assert kernels.backend("cuda") == "cuda" and kernels.implementation(torch.device("cuda")) is library.OPS
+    assert kernels.implementation(torch.device("cuda", 0)) is library.OPS  # what a tensor on the GPU runs
     assert kernels.cross_entropy_implementation(torch.device("cuda")) is library.triton_operators(triton_ops)
     assert kernels.backend("cpu") == "cpp"
     built[0] = False
@@ -373,6 +375,7 @@ def test_cuda_tensors_run_the_cuda_extension_by_default_and_triton_where_it_cann
     built[0] = True
     monkeypatch.setenv(kernels.ENV_VAR, "triton")
     assert kernels.backend("cuda") == "triton"
+    assert kernels.implementation(torch.device("cuda", 0)) is operators  # a choice for "cuda" is its tensors' choice
     monkeypatch.setenv(kernels.ENV_VAR, "cpp")
     assert kernels.backend("cuda") == "cuda"
     capability[0] = (7, 5)

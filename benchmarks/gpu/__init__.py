@@ -9,9 +9,10 @@ Stages, in order (``--stages`` picks some; each runs whatever the one before did
 goes on): ``environment`` (device, driver, torch, Triton, CUDA), ``tests`` (``pytest -m gpu``: both backends),
 ``kernels`` (every ahead-of-time Triton configuration and the CUDA C++ extension against the reference,
 :mod:`.kernel_check`), ``overhead`` (host microseconds per op call, ours against ATen's, on both backends,
-:mod:`.overhead`), ``models`` (eager, under CUDA graphs, and ``torch.compile``, :mod:`.models`), ``long_context``
-(:mod:`.long_context`: a 24 GiB budget, 75 s of search in ``--short``), ``ops`` (op timings against Liger
-Kernel, :mod:`.ops`; not in ``--short``). Each stage writes ``NN-<stage>.md`` into the output folder as it
+:mod:`.overhead`), ``models`` (eager and ``torch.compile``, :mod:`.models`), ``long_context``
+(:mod:`.long_context`: a 24 GiB budget, 75 s of search in ``--short``), ``graphs`` (the models' steps captured as
+CUDA graphs: last, since a failed capture leaves the process's generator unusable), ``ops`` (op timings against
+Liger Kernel, :mod:`.ops`; not in ``--short``). Each stage writes ``NN-<stage>.md`` into the output folder as it
 goes (a killed run keeps what it had) and ``progress.log`` says where it is: no other file, since the device returns
 at most ``FILES_RETURNED`` files from its output folder. The C++ and CUDA extensions build in the background from the
 start (nvcc takes about a minute), while the first stages use the GPU.
@@ -46,8 +47,9 @@ from benchmarks.gpu.ops import forced_backend, usable_backends
 __all__ = ["forced_backend", "main", "usable_backends"]
 
 PACKAGES = ("lightning", "transformers", "peft", "timm", "bitsandbytes", "liger-kernel", "ninja")  # what stages need
-STAGES = ("environment", "tests", "kernels", "overhead", "models", "long_context", "ops")
+STAGES = ("environment", "tests", "kernels", "overhead", "models", "long_context", "graphs", "ops")
 SHORT = STAGES[:-1]
+FIRST_TESTS = "tests/test_gpu_generator_and_devices.py"  # what only a GPU settles: the generator, graphs, devices
 FILES_RETURNED = 8  # the most files the device returns from $OUT: one per stage and progress.log
 LONG_CONTEXT_SECONDS = 75  # the --short search's share of the 8 minutes: the interval found by then
 
@@ -112,8 +114,11 @@ def _command(command: list[str]) -> str:
 
 
 def tests(run: Run, emit: Callable[[str], None]) -> str:
-    """``pytest -m gpu``, its output in the stage's file as it comes; at most ``run.test_seconds``."""
-    command = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "tests"]
+    """``pytest -m gpu``, :data:`FIRST_TESTS` first, its output in the stage's file as it comes, a test's name
+    before it runs (a test that kills the process is named); at most ``run.test_seconds``."""
+    files = [FIRST_TESTS, *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_*.py"))]
+    command = [sys.executable, "-m", "pytest", "-v", "--tb=short", "-rfE", "-m", "gpu", "-p", "no:cacheprovider",
+               *dict.fromkeys(files)]  # fmt: skip (pytest keeps the order of files named, not of a folder's)
     if run.smoke:  # which tests would run, without running them
         command.append("--collect-only")
     process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -122,14 +127,16 @@ def tests(run: Run, emit: Callable[[str], None]) -> str:
     lines: list[str] = []
 
     def fenced() -> str:
-        return "```\n" + "\n".join(lines[-200:]) + "\n```"
+        passed = sum(line.rstrip().endswith(("PASSED", "SKIPPED")) or " PASSED " in line for line in lines)
+        shown = [line for line in lines if " PASSED" not in line]  # failures, skips, errors and the summary
+        return f"{passed} passed or skipped (not listed)\n\n```\n" + "\n".join(shown[-300:]) + "\n```"
 
     for line in process.stdout:
         lines.append(line.rstrip())
         emit(fenced())
     limit.cancel()
-    if process.wait() == -signal.SIGKILL:
-        lines.append(f"(stopped after {run.test_seconds} s)")
+    code = process.wait()
+    lines.append(f"(stopped after {run.test_seconds} s)" if code == -signal.SIGKILL else f"pytest's exit code: {code}")
     return fenced()
 
 
@@ -162,7 +169,7 @@ def overhead(run: Run, emit: Callable[[str], None]) -> str:
 
 
 def models(run: Run, emit: Callable[[str], None]) -> str:
-    """The models eager and under CUDA graphs, then ``torch.compile`` (one file: the device returns at most 8)."""
+    """The models eager, then ``torch.compile`` (one file: the device returns at most 8)."""
     from benchmarks.gpu.models import SETTINGS, measure_compile, measure_models
     from benchmarks.gpu.models import SHORT as SHORT_SETTINGS
 
@@ -181,6 +188,15 @@ def long_context(run: Run, emit: Callable[[str], None]) -> str:
     return search(run.device, run.budget_gib, run.smoke, emit, seconds=LONG_CONTEXT_SECONDS if run.short else 600)
 
 
+def graphs(run: Run, emit: Callable[[str], None]) -> str:
+    from benchmarks.gpu.models import SETTINGS, measure_graphs
+    from benchmarks.gpu.models import SHORT as SHORT_SETTINGS
+
+    if run.smoke:
+        return "not on a CPU"
+    return measure_graphs(run.device, SHORT_SETTINGS if run.short else SETTINGS, run.rounds)
+
+
 def ops(run: Run, emit: Callable[[str], None]) -> str:
     from benchmarks.gpu.ops import time_ops
 
@@ -189,13 +205,14 @@ def ops(run: Run, emit: Callable[[str], None]) -> str:
 
 RUNNERS = {
     "environment": environment, "tests": tests, "kernels": kernels, "overhead": overhead, "models": models,
-    "long_context": long_context, "ops": ops,
+    "long_context": long_context, "graphs": graphs, "ops": ops,
 }  # fmt: skip
 TITLES = {
     "environment": "Environment", "tests": "GPU-marked tests", "kernels": "Kernels against the reference",
     "overhead": "Host time per op call, stock vs ours",
-    "models": "Training steps at real dims, stock vs converted (eager, CUDA graphs, compiled)",
-    "long_context": "The longest sequence, predicted and found", "ops": "Ops, forward + backward",
+    "models": "Training steps at real dims, stock vs converted (eager, compiled)",
+    "long_context": "The longest sequence, predicted and found",
+    "graphs": "Training steps captured as CUDA graphs, stock vs converted", "ops": "Ops, forward + backward",
 }  # fmt: skip
 
 

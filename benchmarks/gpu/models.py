@@ -7,8 +7,9 @@ passed), ViT-B/16 and BERT-base at full depth; bf16 weights, peft LoRA r=16 on e
 saves for backward, and the step time by CUDA events, both models' steps interleaved, the median of the per-round
 ratios with its 95% bootstrap interval. The saved bytes predict the peak's change: the note says where it differs.
 
-The steps are timed eagerly and with forward and backward captured as CUDA graphs (``make_graphed_callables``:
-what host time costs shows as the difference).
+The steps are timed eagerly here; :func:`measure_graphs` (the ``graphs`` stage, the run's last: a failed capture
+leaves the CUDA generator refusing every later random op in the process) times them with forward and backward
+captured as CUDA graphs (``make_graphed_callables``: what host time costs shows as the difference).
 
 ``compile`` (in the ``models`` stage's file): a converted LoRA LLaMA (2 layers at LLaMA-2-7B's dims) under
 ``torch.compile(fullgraph=True)``: it compiles, its loss is eager's, and its step time against eager's and the
@@ -99,24 +100,27 @@ def training_step(model: nn.Module, x: Any) -> Callable[[], torch.Tensor]:
 
 
 class _LossOf(nn.Module):
-    """The loss of ``model`` on the tensors of a batch passed positionally (what CUDA-graph capture takes)."""
+    """The loss of ``model`` on the tensors of a batch passed positionally (what CUDA-graph capture takes), the
+    batch's other values (``use_cache=False``) kept as constants."""
 
-    def __init__(self, model: nn.Module, keys: list[str] | None) -> None:
+    def __init__(self, model: nn.Module, keys: list[str] | None, constants: dict[str, Any]) -> None:
         super().__init__()
-        self.model, self.keys = model, keys
+        self.model, self.keys, self.constants = model, keys, constants
 
     def forward(self, *tensors: torch.Tensor) -> torch.Tensor:
-        return loss(self.model, dict(zip(self.keys, tensors)) if self.keys else tensors[0])
+        return loss(self.model, dict(zip(self.keys, tensors)) | self.constants if self.keys else tensors[0])
 
 
 def graphed_step(model: nn.Module, x: Any) -> Callable[[], torch.Tensor]:
     """:func:`training_step` with forward and backward captured once as CUDA graphs and replayed
     (``torch.cuda.make_graphed_callables``): the host issues two graph launches where it issued every kernel."""
-    keys = list(x) if isinstance(x, dict) else None
+    batch = x if isinstance(x, dict) else {}
+    keys = [k for k, v in batch.items() if isinstance(v, torch.Tensor)] if batch else None
+    constants = {k: v for k, v in batch.items() if not isinstance(v, torch.Tensor)}
     tensors = tuple(x[k] for k in keys) if keys else (x,)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
     with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False):
-        graphed = torch.cuda.make_graphed_callables(_LossOf(model, keys), tensors)
+        graphed = torch.cuda.make_graphed_callables(_LossOf(model, keys, constants), tensors)
 
     def step() -> torch.Tensor:
         with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False):
@@ -164,14 +168,14 @@ def measure_models(device: torch.device, settings: dict[str, Setting], rounds: i
                 [f"Where the time went in {name} (one step each, by self time):\n\n{profile}"] if profile else []
             )
         except Exception as err:  # noqa: BLE001 - written in its row: the next model still runs
-            rows.append([name, f"failed: {type(err).__name__}: {str(err).splitlines()[0][:200]}", *[""] * 9])
+            rows.append([name, f"failed: {type(err).__name__}: {str(err).splitlines()[0][:200]}", *[""] * 8])
             _release(device)
         print(" | ".join(map(str, rows[-1])), flush=True)
     header = [
         "model (bf16, LoRA r=16 all linears, dropout 0.05)", "stock peak MiB", "converted peak MiB",
         "peak saved MiB", "stock saved-for-backward MiB", "converted saved-for-backward MiB",
         "saved-bytes saving MiB (the prediction)", "stock step (median)", f"converted / stock step ({rounds} rounds)",
-        "converted / stock step, CUDA graphs", "measured in",
+        "measured in",
     ]  # fmt: skip
     return "\n\n".join([markdown_table(header, rows), *profiles])
 
@@ -202,27 +206,41 @@ def measure_model(
     profile = (
         profile_table({variant: step_profile(step, device) for variant, step in steps.items()}) if slower else None
     )
-    graphed = "not on a CPU"
-    if device.type == "cuda":
-        try:
-            graphs = {
-                variant: graphed_step(model, x) for variant, model in (("stock", stock), ("converted", converted))
-            }
-            graph_times = interleaved_times(graphs, repeats=rounds, warmup=2, cuda_events=True)
-            g_ratio, g_low, g_high = paired_ratio(graph_times["converted"], graph_times["stock"])
-            graphed = f"{g_ratio:.3f} ({g_low:.3f}-{g_high:.3f}), stock {1e3 * statistics.median(graph_times['stock']):.1f} ms"
-        except Exception as err:  # noqa: BLE001 - written in its cell
-            graphed = f"capture failed: {type(err).__name__}: {str(err).splitlines()[0][:160]}"
     del stock, converted, steps
     _release(device)
     row = [
         name, _mib(peaks["stock"]), _mib(peaks["converted"]), _mib(peaks["stock"] - peaks["converted"]),
         _mib(saved_bytes["stock"]), _mib(saved_bytes["converted"]),
         _mib(saved_bytes["stock"] - saved_bytes["converted"]),
-        f"{1e3 * statistics.median(times['stock']):.1f} ms", f"{ratio:.3f} ({low:.3f}-{high:.3f})", graphed,
+        f"{1e3 * statistics.median(times['stock']):.1f} ms", f"{ratio:.3f} ({low:.3f}-{high:.3f})",
         f"{time.perf_counter() - started:.0f} s",
     ]  # fmt: skip
     return row, profile
+
+
+def measure_graphs(device: torch.device, settings: dict[str, Setting], rounds: int) -> str:
+    """Each model's step, stock and converted, with forward and backward captured as CUDA graphs (markdown); run
+    last, since a failed capture leaves the process's CUDA generator unusable."""
+    rows = []
+    for name, setting in settings.items():
+        config = CONFIGS[setting.config]
+        try:
+            x = batch_for(config, setting, device)
+            stock = build_on(config, setting.layers, device)
+            converted = copy.deepcopy(stock)
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                apply_lowmem(converted, example_input=x, verify=True, measure=False)
+            graphs = {"stock": graphed_step(stock, x), "converted": graphed_step(converted, x)}
+            times = interleaved_times(graphs, repeats=rounds, warmup=2, cuda_events=True)
+            ratio, low, high = paired_ratio(times["converted"], times["stock"])
+            rows.append([name, f"{1e3 * statistics.median(times['stock']):.1f} ms", f"{ratio:.3f} ({low:.3f}-{high:.3f})"])
+            del stock, converted, graphs
+        except Exception as err:  # noqa: BLE001 - written in its row: the next model is still tried
+            rows.append([name, f"capture failed: {type(err).__name__}: {str(err).splitlines()[0][:200]}", ""])
+        _release(device)
+        print(" | ".join(rows[-1]), flush=True)
+    header = ["model (as in the models stage)", "stock step, CUDA graphs (median)", f"converted / stock ({rounds} rounds)"]
+    return markdown_table(header, rows)
 
 
 def step_profile(step: Callable[[], object], device: torch.device) -> dict[str, tuple[int, float]]:

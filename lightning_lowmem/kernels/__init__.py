@@ -103,7 +103,15 @@ def backend(device: torch.device | str | None = None) -> str:
     on (the first op on a device makes one; set the variable before, or call this after changing it). The
     first call for a device type builds (or loads the cached build of) its extension.
     """
-    return _choose_for(str(torch.device(device if device is not None else "cpu")))
+    return _choose_for(_device_name(torch.device(device if device is not None else "cpu")))
+
+
+def _device_name(device: torch.device) -> str:
+    """The name the ops look their device's choice up by: a tensor's device, so ``"cuda"`` is the current GPU's
+    (``"cuda:0"``), never a key of its own that no tensor's ops would read."""
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return str(device)
 
 
 _CHOSEN: dict[str, str] = {}  # device name -> the backend its ops run: backend()'s last answer for it
@@ -159,14 +167,14 @@ def _triton_operators(device: torch.device) -> Any | None:
 def implementation(device: torch.device) -> Any:
     """What implements the kernel contract for tensors on ``device``: the ``torch.ops.lowmem`` operators for the
     compiled C++/CUDA kernels, ``torch.ops.lowmem_triton`` for Triton's, else the pure-PyTorch module."""
-    return _IMPLEMENTATIONS[_chosen(str(device))]
+    return _IMPLEMENTATIONS[_chosen(_device_name(device))]
 
 
 def cross_entropy_implementation(device: torch.device) -> Any:
     """What runs the cross-entropy step (``cross_entropy_grad_``) for tensors on ``device``: :func:`implementation`,
     except that the CUDA C++ backend has no such kernel, so its heads run Triton's (where Triton can run; else the
     reference)."""
-    name = _chosen(str(device))
+    name = _chosen(_device_name(device))
     if name == "cuda":
         return _IMPLEMENTATIONS.get("triton") or _triton_operators(device) or torch_ops
     return _IMPLEMENTATIONS[name]

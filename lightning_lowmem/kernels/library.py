@@ -30,6 +30,7 @@ and the pure-PyTorch backend use the Python functions.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
@@ -118,10 +119,26 @@ def _fake(name: str) -> Callable[[Callable], Callable]:
     namespaces, :func:`triton_operators`)."""
 
     def register(fake: Callable) -> Callable:
-        _FAKES[name] = fake
-        return torch.library.register_fake(f"{NAMESPACE}::{name}", fake, lib=_LIBRARY)
+        @functools.wraps(fake)
+        def on_one_device(*args: Any) -> Any:
+            _check_one_device(name, args)
+            return fake(*args)
+
+        _FAKES[name] = on_one_device
+        return torch.library.register_fake(f"{NAMESPACE}::{name}", on_one_device, lib=_LIBRARY)
 
     return register
+
+
+def _check_one_device(name: str, args: tuple) -> None:
+    """Every tensor argument on the first one's device, as the kernels check: a meta tensor among real ones sends
+    the call here (the Meta key outranks the others), which would otherwise return an empty tensor as the result."""
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    for tensor in tensors[1:]:
+        if tensor.device != tensors[0].device:
+            raise RuntimeError(
+                f"{name}: every tensor must be on {tensors[0].device} with the first, got one on {tensor.device}"
+            )
 
 
 _FAKES: dict[str, Callable] = {}

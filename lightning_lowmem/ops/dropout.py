@@ -5,8 +5,8 @@ forward draws a seed from the device's default generator, the kernels draw the m
 counter-based generator (Philox, :meth:`~lightning_lowmem.kernels.contract.KernelContract.dropout`), and the
 backward applies the same mask to the gradient from the seed alone. Where a compiled extension serves the device
 the seed is drawn in C++ (``lowmem::seeded_dropout``, ``lowmem::affine_linear``): a key from the CPU's generator,
-or a GPU's key and counters from its Philox state, as ATen's dropout takes them (no operator, no launch), kept as
-two integers on the CPU. Because the seed comes from torch's
+kept as two integers, or a GPU's key and counters from its Philox state, as ATen's dropout takes them (no operator
+of its own), written by the kernel into a two-value tensor on the GPU (no host read; CUDA-graph safe). Because the seed comes from torch's
 generator, ``torch.manual_seed``, Lightning's per-rank seeding and activation checkpointing (which replays the
 generator's state before its recompute) govern the masks as they govern stock dropout's.
 """
