@@ -176,7 +176,8 @@ def test_dropouts_match_on_the_seeds_the_cpp_functions_draw(frozen_norm, dtype, 
     for grad_c, grad_p in zip(grads_c, grads_p, strict=True):
         assert torch.equal(grad_c, grad_p)
     seeds_saved = [t for t in rec_p.saved if t.dtype == torch.long and t.numel() == 2]
-    assert len(seeds_saved) == (2 if frozen_norm else 3)
+    # the reader of the dropout's output keeps its seed too where the norm saves z: always on a GPU
+    assert len(seeds_saved) == (2 if frozen_norm and device == "cpu" else 3)
     if device == "cpu":  # the CPU's seeds kept as integers: no tensor
         assert not [t for t in rec_c.saved if t.dtype == torch.long and t.numel() == 2]
         assert [(t.dtype, t.shape) for t in rec_c.saved] == [
