@@ -2,14 +2,16 @@
 
 :class:`FusedLossForward` is installed as the model's ``forward`` by the surgery. In training, with ``labels``,
 it runs the model's own forward without them while the head, called as usual, returns nothing but computes the
-loss from its input with :func:`~lightning_lowmem.ops.linear_cross_entropy` and transformers'
-causal LM semantics (:func:`causal_lm_loss`; Gemma 2's ``final_logit_softcapping`` included). The output's
+loss from its input with :func:`~lightning_lowmem.ops.linear_cross_entropy` and the model's own loss semantics
+(:func:`causal_lm_loss`: transformers' shifted labels or labels as given, a logit scale, Gemma 2's
+``final_logit_softcapping``; the surgery finds them by computing the model's loss, :class:`LossSemantics`). The output's
 ``logits`` are then ``None``: no ``tokens x vocabulary`` tensor exists. Evaluation, generation, calls without
 labels and ``return_dict=False`` run the stock forward unchanged.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -30,15 +32,21 @@ def causal_lm_loss(
     ignore_index: int = -100,
     shift_labels: torch.Tensor | None = None,
     softcap: float | None = None,
+    semantics: LossSemantics | None = None,
     **_: Any,
 ) -> torch.Tensor:
     """transformers' ``ForCausalLMLoss`` of ``head(hidden)`` against ``labels``, without the logits: each position
     predicts the next label (or ``shift_labels`` as given), ``ignore_index`` skipped, averaged, or summed and
-    divided by ``num_items_in_batch`` when given."""
+    divided by ``num_items_in_batch`` when given; the logits scaled and the labels shifted as ``semantics`` says
+    (the model's own: :class:`LossSemantics`)."""
+    semantics = semantics or LossSemantics()
     if shift_labels is None:
-        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:] if semantics.shift else labels
     reduction = "sum" if num_items_in_batch is not None else "mean"
+    if semantics.scale != 1.0:  # scale * (h W^T + b) = (scale * h) W^T + scale * b, the adapter's term linear in h too
+        hidden = hidden * semantics.scale
     weight, bias, lora = head_operands(head, hidden)
+    bias = bias * semantics.scale if bias is not None and semantics.scale != 1.0 else bias
     loss = linear_cross_entropy(
         hidden, weight, shift_labels.to(hidden.device), bias,
         ignore_index=ignore_index, reduction=reduction, softcap=softcap, lora=lora,
@@ -46,6 +54,17 @@ def causal_lm_loss(
     if num_items_in_batch is None:
         return loss
     return loss / (num_items_in_batch.to(loss.device) if torch.is_tensor(num_items_in_batch) else num_items_in_batch)
+
+
+@dataclass(frozen=True)
+class LossSemantics:
+    """What a causal LM's training loss computes beyond ``cross_entropy(logits, labels)``: whether position ``t``
+    predicts label ``t + 1`` (``shift``; the BART family, XLM and XLNet take ``labels`` as already shifted) and the
+    factor the logits are multiplied by (``scale``: Cohere's ``logit_scale``). Gemma 2's softcapping comes from its
+    config (``final_logit_softcapping``)."""
+
+    shift: bool = True
+    scale: float = 1.0
 
 
 def head_operands(head: nn.Module, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, Any]:
@@ -62,8 +81,8 @@ class FusedLossForward:
     its input instead of the logits, inside the head's own call, so that a head FSDP2 shards on its own is
     gathered then. Both stay installed (no patching per call): ``torch.compile`` traces a training step whole."""
 
-    def __init__(self, model: nn.Module, head: nn.Module) -> None:
-        self.model, self.head = model, head
+    def __init__(self, model: nn.Module, head: nn.Module, semantics: LossSemantics = LossSemantics()) -> None:
+        self.model, self.head, self.semantics = model, head, semantics
         self.loss_args: dict[str, Any] | None = None  # set during a fused call
         self.losses: list[torch.Tensor] = []
 
@@ -80,7 +99,7 @@ class FusedLossForward:
         if labels is None or kwargs.get("return_dict") is False or not (model.training and torch.is_grad_enabled()):
             return stock(*args, **kwargs)
         softcap = getattr(getattr(model, "config", None), "final_logit_softcapping", None)
-        self.loss_args, self.losses = {**kwargs, "softcap": softcap}, []
+        self.loss_args, self.losses = {**kwargs, "softcap": softcap, "semantics": self.semantics}, []
         try:
             output = stock(*args, **{**kwargs, "labels": None})
         finally:

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from lightning_lowmem.nn.norm import is_norm_output, tag_dropped
-from lightning_lowmem.ops.dropout import dropout_and_seed, seeded_dropout
+from lightning_lowmem.ops.dropout import dropout_and_seed, dropping, seeded_dropout
 
 
 class SeededDropout(nn.Dropout):
@@ -33,7 +33,7 @@ class SeededDropout(nn.Dropout):
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not (self.training and 0 < self.p < 1 and not self.inplace and is_norm_output(x)):
+        if not (dropping(self.training) and 0 < self.p < 1 and not self.inplace and is_norm_output(x)):
             return seeded_dropout(x, self.p, self.training, self.inplace)
         # a memory-sharing norm's output: its consumers may save the norm's z and this seed, not our output
         y, seed = dropout_and_seed(x, self.p)

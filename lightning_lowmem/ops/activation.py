@@ -8,7 +8,8 @@ element). ``bits=2`` (the default) is the paper's method and constants. Any acti
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -18,6 +19,20 @@ from lightning_lowmem.ops._checks import check_float_tensor, needs_graph, refuse
 from lightning_lowmem.registry.activations import StepDerivative, get_activation
 
 _GELU_KINDS = {"none": "gelu", "tanh": "gelu_tanh"}
+_exact = 0
+
+
+@contextmanager
+def exact_derivatives() -> Iterator[None]:
+    """Every activation of this module with the stock function's exact derivative for the duration, its forward still
+    this module's: the verify stage checks a training step against the stock model's to rounding, the k-bit
+    approximation aside (its own error is measured apart)."""
+    global _exact
+    _exact += 1
+    try:
+        yield
+    finally:
+        _exact -= 1
 
 
 class StepActivationFunction(torch.autograd.Function):
@@ -53,8 +68,13 @@ def _apply(op: str, x: torch.Tensor, activation: str, bits: int) -> torch.Tensor
     if not needs_graph(x):
         return entry.stock(x)
     if entry.kernel is not None and x.is_contiguous() and kernels.autograd_in_cpp(x):
-        return library.OPS.step_activation.default(x, entry.kernel, step.thresholds, step.levels, op)
-    return StepActivationFunction.apply(x, entry.stock, entry.kernel, step, op)
+        y = library.OPS.step_activation.default(x, entry.kernel, step.thresholds, step.levels, op)
+    else:
+        y = StepActivationFunction.apply(x, entry.stock, entry.kernel, step, op)
+    if _exact:
+        exact = entry.stock(x)
+        return exact + (y - exact).detach()  # this forward's values, the exact derivative
+    return y
 
 
 def step_activation(x: torch.Tensor, activation: str = "gelu", bits: int = 2) -> torch.Tensor:

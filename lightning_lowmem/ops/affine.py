@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from lightning_lowmem import kernels
 from lightning_lowmem.kernels import library
-from lightning_lowmem.ops.dropout import draw_seed
+from lightning_lowmem.ops.dropout import draw_seed, dropping
 from lightning_lowmem.ops.norm import affine_scale, affine_values
 
 
@@ -147,6 +147,7 @@ def affine_linear(
     same, plus a seed (:mod:`.dropout`); ``dropped``: ``(p, seed)`` of the seeded dropout that made ``x`` from
     the norm's output, to save ``z`` and the seed for ``x``."""
     args = (x, z, weight, bias, gamma, beta, dtype or weight.dtype, float(offset))
+    dropout = dropout if dropping(True) else 0.0
     if kernels.autograd_in_cpp(x):  # the C++ function draws a dropout's seed itself, as ATen's dropout does
         return library.OPS.affine_linear.default(*args, *(dropped or (float(dropout), None)))
     if dropout:

@@ -13,6 +13,9 @@ generator's state before its recompute) govern the masks as they govern stock dr
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 
 from lightning_lowmem import kernels
@@ -20,6 +23,24 @@ from lightning_lowmem.kernels import library
 from lightning_lowmem.ops._checks import check_float_tensor, needs_graph, refuse_double_backward
 
 SEED_RANGE = 2**62
+_suspended = 0
+
+
+@contextmanager
+def dropout_suspended() -> Iterator[None]:
+    """Every dropout of this library the identity (its evaluation behaviour) for the duration, and no seed drawn: the
+    verify stage compares a training step with the stock model's, whose dropouts it turns off as well."""
+    global _suspended
+    _suspended += 1
+    try:
+        yield
+    finally:
+        _suspended -= 1
+
+
+def dropping(training: bool) -> bool:
+    """Whether a dropout in a module whose training flag is ``training`` drops (not under :func:`dropout_suspended`)."""
+    return training and not _suspended
 
 
 def draw_seed(device: torch.device) -> torch.Tensor:
@@ -72,7 +93,7 @@ def seeded_dropout(
     to draw the mask from (default: a fresh one from the device's generator, :func:`dropout_and_seed`)."""
     check_float_tensor("seeded_dropout", x)
     p = check_probability("seeded_dropout", p)
-    if not training or p == 0.0:
+    if not dropping(training) or p == 0.0:
         return x
     if p == 1.0:
         return x.mul_(0.0) if inplace else x * 0.0

@@ -16,7 +16,8 @@ linear + cross-entropy, which never holds the logits.
 
 The stages (:func:`run`): nominate (each family of :mod:`.families` finds and verifies its candidates)
 -> :mod:`.probe` (which layers read each norm's output) -> plan (each family's changes; nothing changed
-yet) -> apply the changes (:mod:`.convert`) -> :mod:`.verify` (outputs as stock's) -> :mod:`.measure`
+yet) -> apply the changes (:mod:`.convert`) -> :mod:`.verify` (eval outputs, and a training step's loss and
+gradients, as stock's; a kind that can be undone alone and fails is) -> :mod:`.measure`
 (saved bytes before and after) -> :mod:`.budget` (checkpoint the fewest blocks); any exception after
 the plan rolls everything back. Without an example input it runs at the model's first training forward
 (:mod:`.deferred`).
@@ -54,8 +55,14 @@ from lightning_lowmem.surgery.training_memory import (
     sequence_length,
     with_length,
 )
-from lightning_lowmem.surgery.verify import eval_outputs, verify
-
+from lightning_lowmem.surgery.verify import (
+    approximation_error,
+    check_training,
+    eval_outputs,
+    training_batch,
+    training_step,
+    verify,
+)
 
 @takes_options
 def apply_lowmem(model: nn.Module, example_input: Any = None, **options: Any) -> LowMemReport:
@@ -281,10 +288,10 @@ def max_sequence_length(
     return size
 
 
-def nominate(model: nn.Module, options: Options) -> Candidates:
+def nominate(model: nn.Module, options: Options, example: Any) -> Candidates:
     """Every family's verified candidates, in the order of :data:`FAMILIES`; modules an earlier run converted are
     reported so. Nothing changes."""
-    found = Candidates(fsdp_owners=fsdp.owners(model))
+    found = Candidates(fsdp_owners=fsdp.owners(model), example=example)
     for name, module in model.named_modules():
         family = next((f for f in FAMILIES if f.converted(module)), None)
         if family is not None:
@@ -357,7 +364,7 @@ def _drop_what_costs(model: nn.Module, example: Any, plan: Plan, surgery: Surger
 def run(report: LowMemReport, model: nn.Module, options: Options, example: Any) -> Surgery:
     """The stages, filling ``report``: decide (nothing changed yet), then change, check, measure and fit the
     budget, undoing every change if anything raises. Returns the applied surgery."""
-    found = nominate(model, options)
+    found = nominate(model, options, example)
     flow = trace_norms(model, found, example)
     decided = make_plan(model, found, flow, options)
     has_example = example is not None
@@ -366,12 +373,22 @@ def run(report: LowMemReport, model: nn.Module, options: Options, example: Any) 
     if has_example and options.measure:
         meter, step = measure_step(model, example)
         report.record(meter, converted=False, step=step)
-    reference = (flow.outputs or eval_outputs(model, example)) if has_example and options.verify else None
+    checking = has_example and options.verify
+    reference = (flow.outputs or eval_outputs(model, example)) if checking else None
+    batch = training_batch(example) if checking else None
+    stock_step = training_step(model, batch) if checking else None
 
     surgery = decided.apply(model)
     try:
         if reference is not None:
             verify(model, example, reference)
+        if stock_step is not None:
+            separable = frozenset(f.kind for f in FAMILIES if f.separable)
+            surgery, failures = check_training(model, batch, stock_step, decided, surgery, separable)
+            decided = decided.without(failures)
+            report.reject(failures)
+            if any(e.kind == "activation" and e.status == "converted" for e in report.entries):
+                report.gradient_error = approximation_error(stock_step, training_step(model, batch, exact=False))
         if report.saved_bytes_before is not None:
             report.record(measure_saved(model, example), converted=True)
             surgery = _drop_what_costs(model, example, decided, surgery, report)  # never worse, kind by kind

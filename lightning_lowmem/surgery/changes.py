@@ -6,8 +6,8 @@ them in order without knowing what they are for (:func:`~.apply.run`).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, replace
 
 from torch import nn
 from torch.utils.hooks import RemovableHandle
@@ -98,6 +98,11 @@ class Plan:
 
     def new_modules(self) -> list[nn.Module]:
         return list(self.replaced.values())
+
+    def without(self, kinds: Iterable[str]) -> Plan:
+        """This plan but the changes of ``kinds`` (their entries kept: the caller says what became of them)."""
+        kept = [(change, kind) for change, kind in zip(self.changes, self.kinds) if kind not in set(kinds)]
+        return replace(self, changes=[c for c, _ in kept], kinds=[k for _, k in kept])
 
     def apply(self, model: nn.Module, without: frozenset[str] = frozenset()) -> Surgery:
         """Apply every change but those of the kinds ``without``; returns the surgery that undoes them."""

@@ -78,6 +78,12 @@ def tensors_in(obj: Any) -> list[torch.Tensor]:
     return []
 
 
+def loss_in(output: Any) -> torch.Tensor | None:
+    """The loss a model returned (a Hugging Face output's ``loss``), or None."""
+    loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
+    return loss if isinstance(loss, torch.Tensor) else None
+
+
 def call(model: nn.Module, example: Any) -> Any:
     """Call ``model`` the Lightning way: a tuple is positional args, a dict keyword args; a captured
     :class:`CallArgs` is replayed as it was made."""

@@ -13,7 +13,7 @@ from torch import nn
 from lightning_lowmem.memory import SavedTensorMeter
 from lightning_lowmem.memory.peak import allocation_peak
 from lightning_lowmem.nn.recompute import checkpointed_forward, offloaded_forward, tiled_forward
-from lightning_lowmem.surgery.example import call, isolated, tensors_in
+from lightning_lowmem.surgery.example import call, isolated, loss_in, tensors_in
 
 RECOMPUTING = (checkpointed_forward, tiled_forward, offloaded_forward)  # a budget's ladder's forwards
 
@@ -94,7 +94,7 @@ def step_peak(model: nn.Module, example: Any) -> int:
 
 
 def _loss(output: Any) -> torch.Tensor:
-    loss = getattr(output, "loss", None)
-    if isinstance(loss, torch.Tensor):
+    loss = loss_in(output)
+    if loss is not None:
         return loss
     return sum(t.float().sum() for t in tensors_in(output) if t.requires_grad)

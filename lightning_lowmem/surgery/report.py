@@ -59,6 +59,7 @@ class LowMemReport:
     pending: bool = False
     budget: BudgetPlan | None = None
     notes: list[str] = field(default_factory=list)  # other changes to the model, one line each
+    gradient_error: float | None = None  # the k-bit activations' backward: |g - g_stock| / |g_stock| on the probe
 
     def record(self, meter: SavedTensorMeter, converted: bool, step: int | None = None) -> None:
         """Keep what ``meter`` measured on the stock (``converted=False``) or the converted model, and ``step``, what
@@ -68,6 +69,18 @@ class LowMemReport:
         setattr(self, f"saved_bytes_{suffix}", meter.total_bytes)
         setattr(self, f"weight_copy_bytes_{suffix}", meter.weight_copy_bytes)
         setattr(self, f"saved_by_module_{suffix}", meter.by_module)
+
+    def reject(self, failures: dict[str, str]) -> None:
+        """The changes of the kinds in ``failures`` were undone: the training check found them computing something
+        else than the stock model (each kind's figures)."""
+        reasons = {kind: f"rolled back: the training step with it differs from stock's ({why})" for kind, why in failures.items()}
+        self.entries = [
+            replace(e, status="left alone", detail=reasons[e.family])
+            if e.status == "converted" and e.family in reasons
+            else e
+            for e in self.entries
+        ]
+        self.notes += [f"{kind}: {reason}" for kind, reason in reasons.items()]
 
     def roll_back(self, meter: SavedTensorMeter | None = None, families: dict[str, int] | None = None) -> None:
         """Changes that cost were undone: every change (the converted model saved more for backward than the stock
@@ -165,6 +178,9 @@ class LowMemReport:
                 f"{self.weight_copy_bytes_after / MIB:.2f} MiB"
             )
         line += f"; probed on {self.probe}" if self.probe else ""
+        if self.gradient_error is not None:
+            line += f"\nthe k-bit activations' backward: gradients {self.gradient_error:.1%} off stock's on the probe's batch"
+            line += " (relative, all trainable tensors; the rest of the conversion is exact)"
         line += "".join(f"\n{note}" for note in self.notes)
         return line + (f"\n{self.budget.summary()}" if self.budget is not None else "")
 

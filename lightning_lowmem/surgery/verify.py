@@ -1,13 +1,39 @@
-"""The verify stage: the converted model computes what the stock model computed, within its dtype's rounding."""
+"""The verify stage: the converted model computes what the stock model computed, within its dtype's rounding.
+
+Two checks, both on the probe's own input. In evaluation, the outputs (:func:`verify`). In training, what the
+optimizer sees (:func:`training_step`): with every dropout off (stock's and ours), the loss (or the outputs, where the
+model returns none) and the gradients of the trainable parameters and of the float inputs, each to its dtype's
+rounding. The k-bit activations take their exact derivative for the check (:func:`~lightning_lowmem.ops.activation.
+exact_derivatives`): what is checked is everything the conversion wires, not the approximation, whose error on the
+probe's batch the report gives apart (:func:`approximation_error`). Gradients are compared by their norms and a few
+random projections (a handful of numbers per tensor, taken as each gradient arrives: no copy of the gradients is
+kept). A change whose kind can be undone alone and fails is rolled back alone, with its figures
+(:func:`check_training`).
+"""
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_map
 
-from lightning_lowmem.surgery.example import call, isolated, tensors_in
+from lightning_lowmem.ops.activation import exact_derivatives
+from lightning_lowmem.ops.dropout import dropout_suspended
+from lightning_lowmem.surgery.changes import Plan
+from lightning_lowmem.surgery.convert import Surgery
+from lightning_lowmem.surgery.example import CallArgs, batch_size, call, isolated, loss_in, tensors_in, with_batch_size
+
+_PROJECTIONS = 3
+_CHUNK = 1 << 24  # elements of a gradient projected at once: the random directions are drawn chunk by chunk
+_ROWS = 2  # the training check runs on the example's first rows
 
 
 def eval_outputs(model: nn.Module, example: Any) -> list[torch.Tensor]:
@@ -26,17 +52,225 @@ def output_tolerance(model: nn.Module) -> float:
     return 5e-2 if autocast or any(p.dtype in half for p in model.parameters()) else 1e-4
 
 
+def _differs(a: torch.Tensor, b: torch.Tensor, tolerance: float) -> str | None:
+    """How ``b`` differs from ``a`` beyond ``tolerance`` (relative to ``a``'s largest magnitude, at least 1), or None."""
+    if a.shape != b.shape:
+        return f"shape {tuple(b.shape)} instead of {tuple(a.shape)}"
+    scale = max(a.abs().max().item() if a.numel() else 0.0, 1.0)
+    if torch.allclose(a, b, rtol=tolerance, atol=tolerance * scale, equal_nan=True):
+        return None
+    return f"max diff {(a - b).abs().max().item():.3g}"
+
+
 def check_same(before: list[torch.Tensor], after: list[torch.Tensor], tolerance: float) -> None:
     """Raise unless the converted model's outputs equal the stock model's within ``tolerance`` (relative)."""
     if len(before) != len(after):
         raise RuntimeError(f"the converted model returns {len(after)} tensors instead of {len(before)}")
     for i, (a, b) in enumerate(zip(before, after)):
-        scale = max(a.abs().max().item() if a.numel() else 0.0, 1.0)
-        if a.shape != b.shape or not torch.allclose(a, b, rtol=tolerance, atol=tolerance * scale):
-            diff = (a - b).abs().max().item() if a.shape == b.shape else "shape"
-            raise RuntimeError(f"output {i} of the converted model differs from the stock model (max diff {diff})")
+        difference = _differs(a, b, tolerance)
+        if difference is not None:
+            raise RuntimeError(f"output {i} of the converted model differs from the stock model ({difference})")
 
 
 def verify(model: nn.Module, example: Any, reference: list[torch.Tensor]) -> None:
     """Raise unless the (converted) model's eval outputs on ``example`` equal ``reference``, the stock model's."""
     check_same(reference, eval_outputs(model, example), output_tolerance(model))
+
+
+class _StockDropoutOff(TorchFunctionMode):
+    """torch's dropouts as in evaluation (the identity), attention's ``dropout_p`` 0."""
+
+    _DROPOUTS = frozenset(
+        {F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout, torch.dropout}
+    )
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in self._DROPOUTS:
+            return args[0] if args else kwargs["input"]
+        if func is F.scaled_dot_product_attention:  # (query, key, value, attn_mask, dropout_p, ...)
+            args, kwargs = (args[:4] + (0.0,) + args[5:], kwargs) if len(args) > 4 else (args, {**kwargs, "dropout_p": 0.0})
+        return func(*args, **kwargs)
+
+
+@contextmanager
+def dropout_off() -> Iterator[None]:
+    """Every dropout the identity, stock's and this library's: a training step as deterministic as evaluation."""
+    with _StockDropoutOff(), dropout_suspended():
+        yield
+
+
+@dataclass
+class TrainingStep:
+    """The figures of one training step: its loss (or its outputs, where it returns no loss) and, per gradient
+    (trainable parameters by name, then the float inputs), its norm and its projections on fixed random directions."""
+
+    loss: torch.Tensor | None = None
+    outputs: list[torch.Tensor] = field(default_factory=list)
+    norms: dict[str, float] = field(default_factory=dict)
+    projections: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def training_batch(example: Any) -> Any:
+    """The example's first rows (all of it where its tensors do not share a batch size)."""
+    try:
+        rows = batch_size(example, "verify")
+    except ValueError:
+        return example
+    return example if rows <= _ROWS else with_batch_size(example, _ROWS)
+
+
+def _project(grad: torch.Tensor, index: int) -> torch.Tensor:
+    """``grad``'s dot products with :data:`_PROJECTIONS` standard normal directions of its shape, the same for every
+    call with ``index`` (drawn chunk by chunk from a generator seeded by it)."""
+    generator = torch.Generator(grad.device).manual_seed(index)
+    flat = grad.detach().reshape(-1)
+    total = torch.zeros(_PROJECTIONS, dtype=torch.float64, device=grad.device)
+    for chunk in flat.split(_CHUNK):
+        directions = torch.randn(_PROJECTIONS, chunk.numel(), generator=generator, device=grad.device)
+        total += (directions @ chunk.float()).double()
+    return total.cpu()
+
+
+def _with_input_gradients(example: Any) -> tuple[Any, list[torch.Tensor]]:
+    """``example`` with each float tensor a leaf that takes a gradient, and those leaves."""
+    leaves: list[torch.Tensor] = []
+
+    def leaf(value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            leaves.append(value.detach().clone().requires_grad_(True))
+            return leaves[-1]
+        return value
+
+    if isinstance(example, CallArgs):
+        return CallArgs(tree_map(leaf, example.args), tree_map(leaf, example.kwargs), example.module), leaves
+    return tree_map(leaf, example), leaves
+
+
+def training_step(model: nn.Module, example: Any, exact: bool = True) -> TrainingStep:
+    """One training step's figures on ``example``, dropout off (``exact``: the k-bit activations with their exact
+    derivative), nothing of the model changed: the ``.grad`` of every parameter, its buffers and the RNG as they were."""
+    example, inputs = _with_input_gradients(example)
+    leaves = {name: p for name, p in model.named_parameters() if p.requires_grad}
+    leaves |= {f"input {i}": t for i, t in enumerate(inputs)}
+    step = TrainingStep()
+    kept = {name: p.grad for name, p in leaves.items()}
+    index = {name: i for i, name in enumerate(leaves)}
+
+    def figures(name: str):
+        def hook(leaf: torch.Tensor) -> None:
+            step.norms[name] = float(leaf.grad.detach().float().norm())
+            step.projections[name] = _project(leaf.grad, index[name])
+            leaf.grad = None  # one gradient at a time
+
+        return hook
+
+    handles = [leaf.register_post_accumulate_grad_hook(figures(name)) for name, leaf in leaves.items()]
+    try:
+        for leaf in leaves.values():
+            leaf.grad = None
+        with isolated(model, train=True), dropout_off(), exact_derivatives() if exact else nullcontext():
+            output = call(model, example)
+            loss = loss_in(output)
+            outputs = [t for t in tensors_in(output) if t.is_floating_point()]
+            if loss is None:
+                step.outputs = [t.detach().float() for t in outputs]
+                trained = [(i, t) for i, t in enumerate(outputs) if t.requires_grad]
+                loss = sum(((t.float() * _direction(t, i)).sum() for i, t in trained), torch.zeros(()))
+            else:
+                step.loss = loss.detach().float()
+            if loss.requires_grad:
+                loss.backward()
+    finally:
+        for handle in handles:
+            handle.remove()
+        for name, leaf in leaves.items():
+            leaf.grad = kept[name]
+    return step
+
+
+def _direction(output: torch.Tensor, index: int) -> torch.Tensor:
+    """A fixed random weighting of ``output``'s elements: the backward of a model that returns no loss."""
+    generator = torch.Generator(output.device).manual_seed(1_000_003 + index)
+    return torch.randn(output.shape, generator=generator, device=output.device)
+
+
+def gradient_errors(reference: TrainingStep, step: TrainingStep) -> dict[str, float]:
+    """Each gradient's distance from the stock one, estimated from the projections (the difference's projection on a
+    standard normal direction has the difference's norm as its spread)."""
+    return {
+        name: math.sqrt(float(((step.projections[name] - projected) ** 2).mean()))
+        for name, projected in reference.projections.items()
+        if name in step.projections
+    }
+
+
+def approximation_error(reference: TrainingStep, step: TrainingStep) -> float:
+    """``|g - g_stock| / |g_stock|`` over all gradients together: how far the k-bit activations' approximate backward
+    takes a step from stock's."""
+    total = math.sqrt(sum(n * n for n in reference.norms.values()))
+    return math.sqrt(sum(e * e for e in gradient_errors(reference, step).values())) / max(total, 1e-30)
+
+
+def compare(reference: TrainingStep, step: TrainingStep, tolerance: float) -> str | None:
+    """How the (converted) model's training step differs from the stock one's beyond the tolerance, in figures, or
+    None: the loss or outputs within ``tolerance``, each gradient within ``10 * tolerance`` (at most 0.1) of its norm
+    (or of ``tolerance`` times the largest one's)."""
+    if reference.loss is not None:
+        if step.loss is None:
+            return "no loss where the stock model returns one"
+        a, b = reference.loss.item(), step.loss.item()
+        if not math.isclose(a, b, rel_tol=tolerance, abs_tol=tolerance):
+            return f"loss {b:.6g} vs stock's {a:.6g}"
+    else:
+        if len(step.outputs) != len(reference.outputs):
+            return f"{len(step.outputs)} outputs instead of {len(reference.outputs)}"
+        for i, (a, b) in enumerate(zip(reference.outputs, step.outputs)):
+            difference = _differs(a, b, tolerance)
+            if difference is not None:
+                return f"training output {i}: {difference}"
+    unmatched = sorted(set(reference.norms) ^ set(step.norms))
+    if unmatched:
+        return f"gradient of {unmatched[0]} {'missing' if unmatched[0] in reference.norms else 'unexpected'}"
+    largest, relative = max(reference.norms.values(), default=0.0), min(10 * tolerance, 0.1)
+    for name, error in gradient_errors(reference, step).items():
+        norm = reference.norms[name]
+        if error > relative * max(norm, tolerance * largest, 1e-12):
+            return f"gradient of {name}: {error / max(norm, 1e-30):.3g} off stock's (relative, norm {norm:.3g})"
+    return None
+
+
+def check_training(
+    model: nn.Module, example: Any, reference: TrainingStep, plan: Plan, surgery: Surgery, separable: frozenset[str]
+) -> tuple[Surgery, dict[str, str]]:
+    """The training check of the applied ``plan`` (``surgery``) against the stock ``reference``: where it fails, each
+    ``separable`` kind is checked alone (with the others that cannot be undone) and those that fail are left out.
+    Returns the surgery in force and the kinds left out with their figures; raises (everything undone) where the
+    rest still fails."""
+    tolerance = output_tolerance(model)
+
+    def failure() -> str | None:
+        return compare(reference, training_step(model, example), tolerance)
+
+    found = failure()
+    if found is None:
+        return surgery, {}
+    alone = [kind for kind in dict.fromkeys(plan.kinds) if kind in separable]
+    failures: dict[str, str] = {}
+    try:
+        for kind in alone:
+            surgery.rollback()
+            surgery = plan.apply(model, frozenset(alone) - {kind})
+            failed = failure()
+            if failed is not None:
+                failures[kind] = failed
+        surgery.rollback()
+        surgery = plan.apply(model, frozenset(failures))
+        found = failure()
+        if found is not None:
+            blame = f" (its {', '.join(failures)} changes left out)" if failures else ""
+            raise RuntimeError(f"the converted model's training step differs from the stock model's{blame}: {found}")
+    except BaseException:
+        surgery.rollback()
+        raise
+    return surgery, failures

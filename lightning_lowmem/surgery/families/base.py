@@ -47,6 +47,7 @@ class Candidates:
     kept_in_place: set[str] = field(default_factory=set)  # folded dropouts a rewritten forward reads p from
     entries: dict[str, Entry] = field(default_factory=dict)
     fsdp_owners: dict[str, nn.Module] = field(default_factory=dict)  # module name -> the FSDP2 module sharding it
+    example: Any = None  # the input the surgery runs on (a family that checks a computation runs it)
 
     def __getitem__(self, kind: str) -> dict[str, Any]:
         return self.by_kind.setdefault(kind, {})

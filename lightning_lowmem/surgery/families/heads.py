@@ -3,19 +3,33 @@ cross-entropy (:class:`~lightning_lowmem.nn.causal_lm.FusedLossForward`), which 
 
 Its entry is the model's own (``name:head`` in the candidates): the model is not replaced, its forward (and its
 head's) gain the fused loss. The head goes last: it is built over the head's replacement, if any.
+
+What the loss computes is decided by computing it, not by a name: the model's own training loss on the example's
+first rows (its ``input_ids`` as labels where it has none) is compared with the fused loss of the same hidden states
+with labels shifted and as given, the logits scaled by the model's ``logit_scale`` (:func:`loss_semantics`). A model
+whose loss is neither (ProphetNet's two-step predictions) keeps its head, with the figures.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
+from dataclasses import replace
+from numbers import Real
+from typing import Any
+
+import torch
 from torch import nn
 
 from lightning_lowmem.nn.adapters import adapter_of, not_a_linear_head
-from lightning_lowmem.nn.causal_lm import FusedLossForward, fused_loss_of
+from lightning_lowmem.nn.causal_lm import FusedLossForward, LossSemantics, causal_lm_loss, fused_loss_of
 from lightning_lowmem.registry import heads
 from lightning_lowmem.surgery import fsdp
+from lightning_lowmem.surgery.example import CallArgs, call, isolated, loss_in
 from lightning_lowmem.surgery.families.base import Candidates, Family
 from lightning_lowmem.surgery.identify import NotConvertible, foreign_hooks
 from lightning_lowmem.surgery.report import Entry
+from lightning_lowmem.surgery.verify import output_tolerance, training_batch
 
 _DETAIL = "training loss through the fused linear + cross-entropy (no logits; logits None with labels)"
 
@@ -42,6 +56,52 @@ def fusable_head(model: nn.Module) -> nn.Module:
     return head
 
 
+def _with_labels(example: Any) -> tuple[Any, dict[str, Any]]:
+    """``example`` (its first rows) with ``labels`` (its ``input_ids`` where it has none), and its keyword arguments."""
+    example = training_batch(example)
+    kwargs = example.kwargs if isinstance(example, CallArgs) else example if isinstance(example, Mapping) else None
+    if kwargs is None or not isinstance(kwargs.get("labels", kwargs.get("input_ids")), torch.Tensor):
+        raise NotConvertible("the example input has no labels or input_ids (keyword arguments) to check its loss on")
+    kwargs = {**kwargs, "labels": kwargs.get("labels", kwargs.get("input_ids"))}
+    return (replace(example, kwargs=kwargs) if isinstance(example, CallArgs) else kwargs), kwargs
+
+
+def loss_semantics(model: nn.Module, lm: nn.Module, head: nn.Module, example: Any) -> LossSemantics:
+    """How the fused loss computes the causal LM ``lm``'s own training loss: the semantics under which the fused loss
+    of the hidden states ``head`` reads equals the loss ``model`` returns on ``example`` (with labels), or
+    :class:`NotConvertible` with the figures."""
+    if example is None:
+        raise NotConvertible("no example input to check its loss on")
+    batch, kwargs = _with_labels(example)
+    scale = getattr(lm, "logit_scale", 1.0)
+    if isinstance(scale, bool) or not isinstance(scale, Real):
+        raise NotConvertible(f"its logits are scaled by a {type(scale).__name__} (logit_scale), not a number")
+    hidden: list[torch.Tensor] = []
+    handle = head.register_forward_pre_hook(lambda _, args: hidden.append(args[0]))
+    try:
+        with isolated(model, train=True), torch.no_grad():
+            loss = loss_in(call(model, batch))
+    except Exception as err:
+        raise NotConvertible(f"it cannot run the example with labels ({type(err).__name__}: {err})") from err
+    finally:
+        handle.remove()
+    if loss is None or len(hidden) != 1:
+        raise NotConvertible("it returns no loss with labels" if loss is None else f"its head ran {len(hidden)} times")
+    softcap = getattr(getattr(lm, "config", None), "final_logit_softcapping", None)
+    tolerance, figures = output_tolerance(model), []
+    for shift in (True, False):
+        semantics = LossSemantics(shift, float(scale))
+        try:
+            with torch.no_grad():
+                fused = causal_lm_loss(hidden[0], head, **{**kwargs, "softcap": softcap, "semantics": semantics}).item()
+        except (ValueError, RuntimeError) as err:
+            raise NotConvertible(f"its loss is not one the fused loss computes ({err})") from err
+        if math.isclose(fused, loss.item(), rel_tol=tolerance, abs_tol=tolerance):
+            return semantics
+        figures.append(f"{fused:.6g} with labels {'shifted' if shift else 'as given'}")
+    raise NotConvertible(f"its training loss {loss.item():.6g} is not the fused loss's ({', '.join(figures)})")
+
+
 class Heads(Family):
     kind = "head"
     switch = "head"
@@ -55,18 +115,21 @@ class Heads(Family):
                 found.entries[f"{name}:head"] = Entry(name, self.kind, type(module).__name__, "already converted", "")
                 continue
             try:
-                fusable_head(module)
-                found[self.kind][name] = module
+                found[self.kind][name] = loss_semantics(model, module, fusable_head(module), found.example)
             except NotConvertible as err:
                 found.entries[f"{name}:head"] = Entry(name, self.kind, type(module).__name__, "left alone", str(err))
 
     def plan(self, model, found, flow, options, plan) -> None:
-        for name, module in found[self.kind].items():
+        named = dict(model.named_modules())
+        for name, semantics in found[self.kind].items():
+            module = named[name]
             head = module.get_output_embeddings()
-            fused = FusedLossForward(module, plan.replaced.get(head, head))
+            fused = FusedLossForward(module, plan.replaced.get(head, head), semantics)
             plan.install(module, "forward", fused)
             plan.install(fused.head, "forward", fused.head_forward)
-            plan.entries.append(Entry(name, self.kind, type(module).__name__, "converted", _DETAIL))
+            detail = _DETAIL + ("" if semantics.shift else "; labels as given, not shifted")
+            detail += "" if semantics.scale == 1.0 else f"; logits scaled by {semantics.scale:g}"
+            plan.entries.append(Entry(name, self.kind, type(module).__name__, "converted", detail))
 
 
 FAMILY = Heads()
