@@ -396,3 +396,279 @@ FAMILIES: dict[str, Family] = {
         _image("eva02_tiny_patch14_224", size=28, patch=14),
     )
 }
+
+
+# --- the breadth of the two libraries: every Hugging Face model type and one model per timm module, tiny ---------
+
+TASKS = ("causal-lm", "sequence-classification", "image-classification")
+_TINY_HF = {
+    "vocab_size": 256, "hidden_size": HIDDEN, "d_model": HIDDEN, "n_embd": HIDDEN, "embed_dim": HIDDEN,
+    "intermediate_size": 2 * HIDDEN, "ffn_dim": 2 * HIDDEN, "encoder_ffn_dim": 2 * HIDDEN,
+    "decoder_ffn_dim": 2 * HIDDEN, "d_ff": 2 * HIDDEN, "n_inner": 2 * HIDDEN, "moe_intermediate_size": HIDDEN,
+    "shared_expert_intermediate_size": HIDDEN, "num_hidden_layers": 2, "n_layer": 2, "num_layers": 2, "n_layers": 2,
+    "encoder_layers": 1, "decoder_layers": 1, "num_attention_heads": 4, "n_head": 4, "num_heads": 4, "n_heads": 4,
+    "encoder_attention_heads": 4, "decoder_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "d_kv": 16,
+    "max_position_embeddings": 128, "n_positions": 128, "image_size": 32, "patch_size": 8, "num_experts": 4,
+    "num_local_experts": 4, "n_routed_experts": 4, "num_experts_per_tok": 2, "num_labels": 2,
+    "mamba_n_heads": 8, "mamba_num_heads": 8, "n_mamba_heads": 8, "mamba_d_head": 16, "mamba_head_dim": 16,
+    "mamba_headdim": 16, "mamba_d_state": 16, "ssm_state_size": 16, "mamba_chunk_size": 16, "n_groups": 1,
+    "attention_head_dim": 16, "num_query_groups": 4,
+}  # fmt: skip
+
+
+def hf_model_types(task: str) -> dict[str, str]:
+    """Every Hugging Face model type with a ``task`` class (one of :data:`TASKS`): model type -> class name."""
+    from transformers.models.auto import modeling_auto
+
+    mapping = {
+        "causal-lm": modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        "sequence-classification": modeling_auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES,
+        "image-classification": modeling_auto.MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES,
+    }[task]
+    return {kind: name if isinstance(name, str) else name[0] for kind, name in mapping.items()}
+
+
+def tiny_hf(model_type: str, task: str) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    """The ``task`` model of ``model_type`` built from its own config class shrunk to :data:`_TINY_HF` (the fields
+    it has; every dropout 0), random init, fp32, and its input with labels; raises where it does not build so."""
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    torch.manual_seed(0)
+    config = CONFIG_MAPPING[model_type]()
+    for key, value in _TINY_HF.items():
+        if isinstance(getattr(config, key, None), int) and not isinstance(getattr(config, key), bool):
+            try:
+                setattr(config, key, value)
+            except (ValueError, AttributeError, NotImplementedError):  # a field its config refuses to set so
+                pass
+    for key in ("num_encoder_layers", "num_decoder_layers"):  # ProphetNet's, set only so
+        if isinstance(getattr(config, key, None), int):
+            setattr(config, key, 1)
+    if isinstance(getattr(config, "attn_layer_indices", None), list):  # Bamba-like hybrids: one attention layer
+        config.attn_layer_indices = [1]
+    if getattr(config, "use_cache", None):  # a training step: no cache (hybrids' caches need an attention layer)
+        config.use_cache = False
+    for key, value in vars(config).items():
+        if isinstance(value, float) and ("dropout" in key or "pdrop" in key):
+            setattr(config, key, 0.0)
+    for key in ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id"):
+        if isinstance(getattr(config, key, None), int):
+            setattr(config, key, 2)
+    model = getattr(transformers, hf_model_types(task)[model_type])(config).float().train()
+    if task == "image-classification":
+        size = getattr(config, "image_size", 32)
+        size = size[0] if isinstance(size, (list, tuple)) else size
+        channels = getattr(config, "num_channels", 3)
+        return model, {"pixel_values": torch.randn(BATCH, channels, size, size), "labels": torch.tensor([0, 1])}
+    ids = torch.randint(3, getattr(config, "vocab_size", VOCAB), (BATCH, SEQ))
+    ids[:, -1] = 2  # an <eos> to pool on (BART's classification head)
+    labels = ids.clone() if task == "causal-lm" else torch.tensor([0, 1])
+    return model, {"input_ids": ids, "labels": labels}
+
+
+_TIMM_SIZES = ("atto", "femto", "pico", "nano", "tiny", "xxs", "xs", "small", "s")
+
+
+def timm_modules() -> dict[str, str]:
+    """One model per timm architecture module, the smallest its name says (module -> model name)."""
+    import timm
+
+    chosen = {}
+    for module in timm.list_modules():
+        names = timm.list_models(module=module)
+        if not names:
+            continue
+        rank = lambda name: next((i for i, size in enumerate(_TIMM_SIZES) if f"_{size}" in name), len(_TIMM_SIZES))
+        chosen[module] = min(names, key=lambda name: (rank(name), len(name)))
+    return chosen
+
+
+def tiny_timm(model_name: str) -> tuple[nn.Module, torch.Tensor]:
+    """The timm ``model_name``, random init, 10 classes, at 64x64 where it takes an ``img_size`` (else its own
+    input size), and a batch of two images for it."""
+    import timm
+
+    torch.manual_seed(0)
+    try:
+        model, size = timm.create_model(model_name, pretrained=False, num_classes=10, img_size=64), 64
+    except TypeError:
+        model = timm.create_model(model_name, pretrained=False, num_classes=10)
+        size = model.pretrained_cfg.get("input_size", (3, 224, 224))[-1]
+    channels = model.pretrained_cfg.get("input_size", (3,))[0]
+    return model.train(), torch.randn(BATCH, channels, size, size)
+
+
+# --- the check every model of the breadth passes: converted = stock --------------------------------------------
+
+
+@dataclass
+class Outcome:
+    """What became of one model: ``status`` "exact" (outputs, training loss, gradients with the activations'
+    exact derivatives, strict loads both ways and every candidate reported), "differs", "crash" (``apply_lowmem``
+    raised) or "skipped" (it does not build tiny, or stock fails on its input); ``problems`` say what."""
+
+    status: str
+    problems: list[str]
+    converted: int = 0
+    left_alone: int = 0
+    head: str = ""
+
+
+def _step(model: nn.Module, example: Any, exact: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The training loss (or outputs' fixed random weighting) on ``example`` and the trainable parameters' gradients,
+    every dropout off (stock's and ours), the activations' exact derivatives when ``exact``."""
+    from lightning_lowmem.ops.activation import exact_derivatives
+    from lightning_lowmem.surgery.example import call, loss_in, tensors_in
+    from lightning_lowmem.surgery.verify import dropout_off
+
+    torch.manual_seed(0)  # routers' jitter and the like draw the same numbers in both models
+    params = {name: p for name, p in model.named_parameters() if p.requires_grad}
+    with dropout_off(), exact_derivatives() if exact else torch.enable_grad():
+        output = call(model.train(), example)
+        loss = loss_in(output)
+        if loss is None:
+            outputs = [t for t in tensors_in(output) if t.is_floating_point() and t.requires_grad]
+            loss = sum((t.float() * torch.randn(t.shape, generator=torch.Generator().manual_seed(i))).sum()
+                       for i, t in enumerate(outputs))  # fmt: skip
+        grads = torch.autograd.grad(loss, list(params.values()), allow_unused=True) if loss.requires_grad else ()
+    return loss.detach(), {name: g for name, g in zip(params, grads) if g is not None}
+
+
+def gradient_error(stock: dict[str, torch.Tensor], converted: dict[str, torch.Tensor]) -> float:
+    """``|g - g_stock| / |g_stock|`` over all gradients together."""
+    diff = sum(float((converted[n] - g).float().norm() ** 2) for n, g in stock.items() if n in converted)
+    return (diff / max(sum(float(g.float().norm() ** 2) for g in stock.values()), 1e-30)) ** 0.5
+
+
+def unreported(model: nn.Module, report: Any) -> list[str]:
+    """The candidates of ``model`` (norms, activations, training dropouts) that no report entry accounts for (an
+    entry of their own or of a module holding them)."""
+    from lightning_lowmem.surgery.identify import composite_norm, names_activation, names_norm
+
+    named = {e.name for e in report.entries}
+    missing = []
+    for name, module in model.named_modules():
+        dropout = isinstance(module, nn.Dropout) and module.p > 0
+        if not (names_norm(module) or names_activation(module) or composite_norm(module) or dropout):
+            continue
+        parts = name.split(".")
+        if not any(".".join(parts[:i]) in named for i in range(len(parts), -1, -1)):
+            missing.append(f"{name} ({type(module).__name__})")
+    return missing
+
+
+def check_conversion(model: nn.Module, example: Any, **options: Any) -> Outcome:
+    """Convert ``model`` on ``example`` with ``apply_lowmem`` and hold it to the stock copy: eval outputs, the
+    training loss and gradients (the k-bit activations with their exact derivative), strict state-dict loads both
+    ways, every candidate reported. ``model`` is left converted."""
+    import copy
+
+    from lightning_lowmem import apply_lowmem
+    from lightning_lowmem.surgery.example import call, tensors_in
+    from lightning_lowmem.surgery.verify import _differs
+
+    stock = copy.deepcopy(model)
+    try:
+        with torch.no_grad():  # before any training step changes a BatchNorm's running statistics
+            before = [t.float() for t in tensors_in(call(stock.eval(), example))]
+        stock_loss, stock_grads = _step(stock, example, exact=False)
+    except Exception as err:  # noqa: BLE001 - a model that cannot train on its tiny input is not ours to judge
+        return Outcome("skipped", [f"stock step: {type(err).__name__}: {str(err)[:120]}"])
+    try:
+        report = apply_lowmem(model, example_input=example, **options)
+    except Exception as err:  # noqa: BLE001 - the crash is the finding
+        return Outcome("crash", [f"{type(err).__name__}: {str(err)[:200]}"])
+    problems = []
+    with torch.no_grad():
+        after = [t.float() for t in tensors_in(call(model.eval(), example))]
+    if len(before) != len(after) or any(_differs(a, b, 1e-4) for a, b in zip(before, after)):
+        problems.append("eval outputs differ")
+    loss, grads = _step(model, example, exact=True)
+    if not torch.allclose(loss.float(), stock_loss.float(), rtol=1e-4, atol=1e-5):
+        problems.append(f"loss {loss.item():.6g} vs stock's {stock_loss.item():.6g}")
+    if set(grads) != set(stock_grads):
+        problems.append(f"gradients of {sorted(set(grads) ^ set(stock_grads))[:3]} missing or extra")
+    elif (error := gradient_error(stock_grads, grads)) > 1e-3:
+        problems.append(f"gradients {error:.3g} off stock's")
+    for source, target in ((stock, model), (model, stock)):
+        result = target.load_state_dict(source.state_dict(), strict=False)
+        if result.missing_keys or result.unexpected_keys:
+            problems.append(f"state dict: missing {result.missing_keys[:2]}, unexpected {result.unexpected_keys[:2]}")
+    if missing := unreported(stock, report):
+        problems.append(f"unreported: {', '.join(missing[:3])}")
+    head = next((f"{e.status}: {e.detail}" for e in report.entries if e.kind == "head"), "")
+    return Outcome(
+        "differs" if problems else "exact", problems, len(report.converted), len(report.left_alone), head
+    )
+
+
+def _cases(tasks: tuple[str, ...], timm_models: bool) -> list[tuple[str, str, Callable[[], tuple[nn.Module, Any]]]]:
+    """(library, name, build) of every model of the sweep."""
+    cases = [
+        ("transformers", f"{kind} ({task})", lambda kind=kind, task=task: tiny_hf(kind, task))
+        for task in tasks for kind in sorted(hf_model_types(task))
+    ]  # fmt: skip
+    if timm_models:
+        cases += [("timm", f"{name} ({module})", lambda name=name: tiny_timm(name)) for module, name in
+                  sorted(timm_modules().items())]  # fmt: skip
+    return cases
+
+
+def main() -> None:
+    """The sweep: every Hugging Face model type (causal LM, sequence and image classification) and one model per
+    timm module, tiny and random-init, converted by default with and without peft LoRA (r 8 on every linear layer,
+    dropout 0.05), each held to the stock copy by :func:`check_conversion`; a table of outcomes to RESULTS.md."""
+    import argparse
+    import sys
+    import time
+    import warnings
+    from collections import Counter
+
+    from benchmarks.common import markdown_table, write_section
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--only", default="", help="a substring of the model names to run")
+    parser.add_argument("--no-timm", action="store_true")
+    parser.add_argument("--write", action="store_true", help="write the table into benchmarks/RESULTS.md")
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore")
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    rows, counts, start = [], Counter(), time.time()
+    for library, name, build in _cases(TASKS, not args.no_timm):
+        if args.only not in name:
+            continue
+        for adapters in (False, True):
+            if adapters and library == "timm":
+                continue
+            try:
+                model, example = build()
+                if adapters:
+                    model = lora(model, "all-linear", r=8, lora_alpha=16, lora_dropout=0.05)
+            except Exception as err:  # noqa: BLE001 - a model that does not build tiny is counted, not judged
+                outcome = Outcome("skipped", [f"build: {type(err).__name__}: {str(err)[:100]}"])
+            else:
+                outcome = check_conversion(model, example)
+            counts[(library, adapters, outcome.status)] += 1
+            label = f"{name}{' + LoRA' if adapters else ''}"
+            print(f"{time.time() - start:7.0f}s {outcome.status:8} {label}: {'; '.join(outcome.problems)}", flush=True)
+            if outcome.status in ("differs", "crash"):
+                rows.append([label, outcome.status, "; ".join(outcome.problems)])
+    table = [[lib, "LoRA" if ad else "-", *(counts[(lib, ad, s)] for s in ("exact", "differs", "crash", "skipped"))]
+             for lib, ad in sorted({(lib, ad) for lib, ad, _ in counts})]  # fmt: skip
+    body = "## The breadth sweep: every Hugging Face model type and one model per timm module\n\n"
+    body += "Tiny random-init models converted by default; exact = eval outputs, training loss and gradients (the "
+    body += "k-bit activations with their exact derivative) equal stock's, strict loads both ways, every candidate "
+    body += "reported. Skipped: does not build at tiny dims, or stock cannot train on the tiny input.\n\n"
+    body += markdown_table(["library", "adapters", "exact", "differs", "crash", "skipped"], table)
+    if rows:
+        body += "\n\n" + markdown_table(["model", "outcome", "what"], rows)
+    print(body)
+    if args.write:
+        write_section("zoo", body, " ".join(["python -m benchmarks.zoo", *sys.argv[1:]]))
+
+
+if __name__ == "__main__":
+    main()

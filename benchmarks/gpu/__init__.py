@@ -14,7 +14,8 @@ goes on): ``environment`` (device, driver, torch, Triton, CUDA), ``tests`` (``py
 CUDA graphs: last, since a failed capture leaves the process's generator unusable), ``ops`` (op timings against
 Liger Kernel, :mod:`.ops`; not in ``--short``). Each stage writes ``NN-<stage>.md`` into the output folder as it
 goes (a killed run keeps what it had) and ``progress.log`` says where it is: no other file, since the device returns
-at most ``FILES_RETURNED`` files from its output folder. The C++ and CUDA extensions build in the background from the
+at most ``FILES_RETURNED`` files from its output folder (a run of more stages than leave room for ``progress.log`` is
+refused: ``--stages`` picks). The C++ and CUDA extensions build in the background from the
 start (nvcc takes about a minute), while the first stages use the GPU.
 """
 
@@ -270,6 +271,9 @@ def main(argv: list[str] | None = None) -> None:
         2 if args.smoke else args.rounds, args.test_seconds, budget,
     )  # fmt: skip
     chosen = [s for s in (SHORT if run.short else STAGES) if not args.stages or s in args.stages]
+    if len(chosen) + 1 > FILES_RETURNED:
+        parser.error(f"{len(chosen)} stages and progress.log are more files than the device returns "
+                     f"({FILES_RETURNED}): name at most {FILES_RETURNED - 1} with --stages")  # fmt: skip
     if "kernels" in chosen:
         run.prebuild = prebuild(run)
     run_stages(run, chosen)

@@ -11,6 +11,7 @@ is a linear layer with a transposed weight).
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -73,6 +74,15 @@ def names_norm(module: nn.Module) -> bool:
     if norms.registered_as(module) is not None:
         return True
     return _is_leaf(module) and any(kind.names_module(module) for kind in NORMS.values())
+
+
+def composite_norm(module: nn.Module) -> str | None:
+    """Why a subclass of a norm the surgery converts is not nominated, where it holds modules of its own (timm's
+    ``LayerNormAct2d``: a LayerNorm, then its dropout and activation): its output is not the norm's alone."""
+    if names_norm(module) or not isinstance(module, tuple(m for kind in NORMS.values() for m in kind.modules)):
+        return None
+    inner = ", ".join(f"{name} ({type(child).__name__})" for name, child in module.named_children())
+    return f"a {type(module).__mro__[1].__name__} subclass that runs modules of its own ({inner}) on the norm's output"
 
 
 _ACTIVATION_PROBE = torch.linspace(-12.0, 12.0, 4801, dtype=torch.float64)
@@ -312,6 +322,9 @@ def _norm_parts(module: nn.Module, layout: NormLayout, hint: bool) -> tuple[tupl
         raise NotConvertible(f"unexpected parameters/buffers {unexpected}{told}")
     if not is_plain(module):
         raise NotConvertible("has hooks or a patched forward (they would see the affine-free output)")
+    extra = [p for p in inspect.signature(type(module).forward).parameters.values() if p.kind != p.VAR_KEYWORD][2:]
+    if extra:  # Mamba-2 hybrids' gated RMSNorm: norm(x, gate) normalizes x * silu(gate)
+        raise NotConvertible(f"its forward takes {extra[0].name} besides the input (a gated norm): a norm of x alone is not it")
     shape = getattr(module, "normalized_shape", None)
     if shape is None:
         if params.get(layout.weight) is None:

@@ -18,6 +18,7 @@ from lightning_lowmem.surgery.families.base import ROOT, Candidates, Family
 from lightning_lowmem.surgery.identify import (
     NormSpec,
     NotConvertible,
+    composite_norm,
     is_plain,
     names_activation,
     names_norm,
@@ -95,7 +96,11 @@ class Norms(Family):
 
     def nominate(self, model, options, found: Candidates) -> None:
         for name, module in model.named_modules():
-            if found.taken(name) or not options.selected(name) or not names_norm(module) or names_activation(module):
+            if found.taken(name) or not options.selected(name):
+                continue
+            if options.norm and (composite := composite_norm(module)) is not None:
+                found.leave(name, self.kind, module, composite)
+            if not names_norm(module) or names_activation(module):
                 continue
             if module is model:
                 found.leave(name, self.kind, module, ROOT)
