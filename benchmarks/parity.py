@@ -200,9 +200,7 @@ def convnet_main(args) -> None:
     print(table)
     if not args.smoke:
         body = (
-            "## Accuracy parity on a convnet: EfficientNet-B0 on scikit-learn's digits
-
-"
+            "## Accuracy parity on a convnet: EfficientNet-B0 on scikit-learn's digits\n\n"
             f"Random init (no pretrained convnet ships in a package), 1,437 train / 359 test images scaled to 32x32, "
             f"{args.seeds} seeds, {args.epochs} epochs, batch {args.batch_size}, AdamW lr {args.lr}, fp32. `lowmem`: "
             "`apply_lowmem` defaults (ReSiLU2 after every BatchNorm); `activations exact`: `activation=False`. "

@@ -290,12 +290,21 @@ def test_lowmem_bp_under_fsdp1_needs_example_input_array():
         model.configure_model()
 
 
-def test_deepspeed_is_refused_at_setup():
-    """Without the deepspeed package (Lightning's class imports without it; its __init__ needs the package)."""
+@pytest.mark.parametrize("stage", [2, 3])
+def test_lowmem_bp_under_deepspeed_converts_before_zero3_partitions(stage):
+    """ZeRO-3 partitions the parameters when it builds its engine: the conversion cannot wait for the first batch
+    there; stages 1 and 2 keep them whole (the conversion waits as under DDP). DeepSpeed's precision stays: the
+    precision plugins refuse it. (Lightning's class imports without the deepspeed package; its __init__ needs it.)"""
     strategy = DeepSpeedStrategy.__new__(DeepSpeedStrategy)
-    model = Attached(strategy)
-    with pytest.raises(MisconfigurationException, match="LowMemBP does not support DeepSpeedStrategy.*FSDP2"):
-        LowMemBP().setup(model._trainer, model, "fit")
+    strategy.config = {"zero_optimization": {"stage": stage}}
+    model, callback = Attached(strategy), LowMemBP()
+    callback.setup(model._trainer, model, "fit")
+    if stage == 3:
+        with pytest.raises(MisconfigurationException, match="ZeRO-3 must convert.*example_input_array"):
+            model.configure_model()
+    else:
+        model.configure_model()
+        assert callback.report.pending
     for plugin in (LowMemPrecision("bf16-mixed"), LowMemPrecision("bf16-true"), LowMemFSDPPrecision("bf16-mixed")):
         with pytest.raises(MisconfigurationException, match=rf"{re.escape(repr(plugin))} does not support DeepSpeed"):
             plugin.convert_module(model)

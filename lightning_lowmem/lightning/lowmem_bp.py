@@ -12,8 +12,10 @@ Parameters keep their identity, so the optimizers and the DDP wrapper created me
 working; every rank converts on rank 0's input, so all ranks decide alike. FSDP2 (``fully_shard``
 in ``configure_model``) has sharded the model by then: its records of the parameters follow the
 replaced modules (:mod:`~lightning_lowmem.surgery.fsdp`). FSDP1 (``FSDPStrategy``) flattens the
-parameters when it wraps the model, so there the surgery must run before, on ``example_input_array``.
-DeepSpeed is refused.
+parameters when it wraps the model, so there the surgery must run before, on ``example_input_array``; so under
+DeepSpeed ZeRO-3 (``DeepSpeedStrategy(stage=3)``), which partitions the parameters when it builds its engine (and
+those ``configure_model`` makes, as it makes them: build the model in ``__init__``). ZeRO stages 1 and 2 keep the
+parameters whole: the surgery runs as under DDP. Precision stays DeepSpeed's (``LowMemPrecision`` refuses it).
 """
 
 from __future__ import annotations
@@ -24,12 +26,11 @@ from weakref import WeakSet
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.strategies import FSDPStrategy
+from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from lightning_lowmem.lightning.precision import refuse_deepspeed
 from lightning_lowmem.surgery import (
     CallArgs,
     LowMemReport,
@@ -54,7 +55,8 @@ class LowMemBP(Callback):
 
     Strategies: DDP; FSDP2 (``ModelParallelStrategy``, ``fully_shard`` in ``configure_model``: the sharded
     model is converted); FSDP (``FSDPStrategy``, with :class:`~lightning_lowmem.LowMemFSDPPrecision`) only
-    on ``example_input_array`` and without ``budget_mib``. DeepSpeed is refused at setup.
+    on ``example_input_array`` and without ``budget_mib``; DeepSpeed (``DeepSpeedStrategy``) stages 1 and 2, and stage 3
+    on ``example_input_array`` and without ``budget_mib`` (with DeepSpeed's precision).
 
     Args:
         {options}
@@ -73,7 +75,6 @@ class LowMemBP(Callback):
                 "Trainer(callbacks=...) holds more than one LowMemBP: a model is converted once; pass one LowMemBP "
                 "with all the options"
             )
-        refuse_deepspeed("LowMemBP", trainer.strategy)
         if pl_module in self._converted:  # a repeated fit/validate/test: nothing left to do
             return
         configure_model = pl_module.configure_model  # the user's, or the no-op default
@@ -129,12 +130,19 @@ class LowMemBP(Callback):
         self._converted.add(pl_module)
         budget = self.options.budget_mib
         probe_later = example is None and self.options.norm
-        if (probe_later or budget is not None) and isinstance(trainer.strategy, FSDPStrategy):
+        strategy = trainer.strategy
+        if (probe_later or budget is not None) and isinstance(strategy, FSDPStrategy):
             raise MisconfigurationException(
                 "LowMemBP with FSDPStrategy must convert the model before FSDP wraps it (FSDP flattens the "
                 "parameters), so on LightningModule.example_input_array and without budget_mib (fitted on the first "
                 "training batch); set example_input_array, or shard with FSDP2 (ModelParallelStrategy), where the "
                 "model is converted at the first training batch"
+            )
+        if (probe_later or budget is not None) and isinstance(strategy, DeepSpeedStrategy) and strategy.zero_stage_3:
+            raise MisconfigurationException(
+                "LowMemBP with DeepSpeed ZeRO-3 must convert the model before DeepSpeed partitions its parameters, so "
+                "on LightningModule.example_input_array and without budget_mib (fitted on the first training batch); "
+                "set example_input_array, or use ZeRO stage 1 or 2"
             )
         if not probe_later:
             with trainer.precision_plugin.forward_context():

@@ -74,6 +74,14 @@ def head_operands(head: nn.Module, hidden: torch.Tensor) -> tuple[torch.Tensor, 
     return linear_head_operands(head) if adapter is None else adapter.head_operands(head, hidden)
 
 
+def gathered_for_backward(head: nn.Module, loss: torch.Tensor) -> torch.Tensor:
+    """``loss``, the head's real output, marked as DeepSpeed ZeRO-3 marks a module's outputs (its ``pre_bwd_fn``):
+    the head's partitioned parameters are gathered again before the loss's backward computes their gradients. (The
+    model's code gets an empty tensor for logits, which ZeRO-3 marks too, but which no loss depends on.)"""
+    mark = vars(head).get("pre_bwd_fn")
+    return loss if mark is None or not loss.requires_grad else mark.apply(loss)
+
+
 class FusedLossForward:
     """The causal LM ``model``'s forward with its training loss fused (see the module docstring).
 
@@ -89,7 +97,7 @@ class FusedLossForward:
     def head_forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         if self.loss_args is None:
             return type(self.head).forward(self.head, x, *args, **kwargs)
-        self.losses.append(causal_lm_loss(x, self.head, **self.loss_args))
+        self.losses.append(gathered_for_backward(self.head, causal_lm_loss(x, self.head, **self.loss_args)))
         return x.new_empty(0)  # what the model does with the logits (softcapping) costs nothing
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

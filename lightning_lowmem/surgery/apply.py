@@ -63,6 +63,8 @@ from lightning_lowmem.surgery.verify import (
     training_step,
     verify,
 )
+from lightning_lowmem.surgery.zero3 import refuse_partitioned
+
 
 @takes_options
 def apply_lowmem(model: nn.Module, example_input: Any = None, **options: Any) -> LowMemReport:
@@ -364,6 +366,7 @@ def _drop_what_costs(model: nn.Module, example: Any, plan: Plan, surgery: Surger
 def run(report: LowMemReport, model: nn.Module, options: Options, example: Any) -> Surgery:
     """The stages, filling ``report``: decide (nothing changed yet), then change, check, measure and fit the
     budget, undoing every change if anything raises. Returns the applied surgery."""
+    refuse_partitioned(model, "apply_lowmem")
     found = nominate(model, options, example)
     flow = trace_norms(model, found, example)
     decided = make_plan(model, found, flow, options)

@@ -149,43 +149,32 @@ def _with_input_gradients(example: Any) -> tuple[Any, list[torch.Tensor]]:
 
 def training_step(model: nn.Module, example: Any, exact: bool = True) -> TrainingStep:
     """One training step's figures on ``example``, dropout off (``exact``: the k-bit activations with their exact
-    derivative), nothing of the model changed: the ``.grad`` of every parameter, its buffers and the RNG as they were."""
+    derivative), nothing of the model changed: buffers and RNG restored, and the gradients taken by
+    ``torch.autograd.grad``, so no ``.grad`` is written and no hook on a parameter's gradient fires (DeepSpeed's
+    reductions, DDP's buckets)."""
     example, inputs = _with_input_gradients(example)
     leaves = {name: p for name, p in model.named_parameters() if p.requires_grad}
     leaves |= {f"input {i}": t for i, t in enumerate(inputs)}
     step = TrainingStep()
-    kept = {name: p.grad for name, p in leaves.items()}
-    index = {name: i for i, name in enumerate(leaves)}
-
-    def figures(name: str):
-        def hook(leaf: torch.Tensor) -> None:
-            step.norms[name] = float(leaf.grad.detach().float().norm())
-            step.projections[name] = _project(leaf.grad, index[name])
-            leaf.grad = None  # one gradient at a time
-
-        return hook
-
-    handles = [leaf.register_post_accumulate_grad_hook(figures(name)) for name, leaf in leaves.items()]
-    try:
-        for leaf in leaves.values():
-            leaf.grad = None
-        with isolated(model, train=True), dropout_off(), exact_derivatives() if exact else nullcontext():
-            output = call(model, example)
-            loss = loss_in(output)
-            outputs = [t for t in tensors_in(output) if t.is_floating_point()]
-            if loss is None:
-                step.outputs = [t.detach().float() for t in outputs]
-                trained = [(i, t) for i, t in enumerate(outputs) if t.requires_grad]
-                loss = sum(((t.float() * _direction(t, i)).sum() for i, t in trained), torch.zeros(()))
-            else:
-                step.loss = loss.detach().float()
-            if loss.requires_grad:
-                loss.backward()
-    finally:
-        for handle in handles:
-            handle.remove()
-        for name, leaf in leaves.items():
-            leaf.grad = kept[name]
+    with isolated(model, train=True), dropout_off(), exact_derivatives() if exact else nullcontext():
+        output = call(model, example)
+        loss = loss_in(output)
+        outputs = [t for t in tensors_in(output) if t.is_floating_point()]
+        if loss is None:
+            step.outputs = [t.detach().float() for t in outputs]
+            trained = [(i, t) for i, t in enumerate(outputs) if t.requires_grad]
+            loss = sum(((t.float() * _direction(t, i)).sum() for i, t in trained), torch.zeros(()))
+        else:
+            step.loss = loss.detach().float()
+        del output, outputs
+        if not loss.requires_grad:
+            return step
+        grads = list(torch.autograd.grad(loss, list(leaves.values()), allow_unused=True))
+    for index, name in enumerate(leaves):
+        grad, grads[index] = grads[index], None  # each gradient freed once projected
+        if grad is not None:
+            step.norms[name] = float(grad.detach().float().norm())
+            step.projections[name] = _project(grad, index)
     return step
 
 

@@ -1,0 +1,29 @@
+"""DeepSpeed ZeRO-3: a model whose parameters it has partitioned is refused, with what to do instead.
+
+Outside a module's forward ZeRO-3 keeps a ``(0,)`` placeholder for each parameter (its full shape in ``ds_shape``), and
+gathers it in hooks on the module that owns it: the surgery reads shapes and values and replaces modules, which would
+then own parameters no hook gathers. Converting before ``deepspeed.initialize`` (``LowMemBP`` under Lightning's
+``DeepSpeedStrategy``, ``LowMemCallback`` under the Hugging Face Trainer) gives the engine a converted model to
+partition; the fused head then asks ZeRO-3 to gather its weight for the loss's backward
+(:func:`~lightning_lowmem.nn.causal_lm.gathered_for_backward`).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+
+def partitioned(model: nn.Module) -> bool:
+    """Whether DeepSpeed ZeRO-3 holds ``model``'s parameters partitioned (a parameter with a ZeRO id and no data)."""
+    return any(hasattr(p, "ds_id") and p.numel() == 0 for p in model.parameters())
+
+
+def refuse_partitioned(model: nn.Module, owner: str) -> None:
+    """Raise where ZeRO-3 partitioned ``model``'s parameters: nothing is changed."""
+    if partitioned(model):
+        raise ValueError(
+            f"{owner}: DeepSpeed ZeRO-3 has partitioned the model's parameters (deepspeed.initialize or "
+            "deepspeed.zero.Init ran first); convert before it: apply_lowmem(model, ...) before deepspeed.initialize, "
+            "LowMemBP under Lightning's DeepSpeedStrategy, LowMemCallback under the Hugging Face Trainer. Nothing was "
+            "changed."
+        )

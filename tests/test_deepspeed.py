@@ -1,0 +1,54 @@
+"""DeepSpeed ZeRO-2 and ZeRO-3 on this CPU (two ranks under torchrun, gloo, ``DS_ACCELERATOR=cpu``): a model converted
+before ``deepspeed.initialize`` trains with stock's losses and gradients, the fused head kept (under ZeRO-3 it marks
+its loss so that the head's partitioned weight is gathered for the backward); a model ZeRO-3 has partitioned is
+refused with what to do, unchanged; under ZeRO-2 the engine's module converts as it is."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("deepspeed")
+pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory):
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    out = tmp_path_factory.mktemp("deepspeed") / "result.json"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
+               str(Path(__file__).with_name("deepspeed_two_ranks.py")), str(out)]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(Path(__file__).parents[1])}
+    done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=900, env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_converted_before_the_engine_trains_as_stock(result, stage):
+    runs = result[f"zero{stage}"]
+    assert {"gated MLP", "norm", "head", "attention"} <= set(result[f"converted-{stage}"])
+    stock, lowmem = torch.tensor(runs["stock"]), torch.tensor(runs["lowmem"])
+    assert stock.shape == lowmem.shape and stock.shape[1] > 10  # the loss, then every parameter's gradient
+    torch.testing.assert_close(lowmem, stock, rtol=1e-4, atol=1e-6)
+
+
+def test_a_partitioned_model_is_refused_unchanged(result):
+    after = result["after-3"]
+    assert "ZeRO-3 has partitioned" in after["error"] and "before deepspeed.initialize" in after["error"]
+    assert after["unchanged"]
+
+
+def test_zero2_converts_the_engines_module(result):
+    after, stock = result["after-2"], [step[0] for step in result["zero2"]["stock"]]
+    assert {"gated MLP", "norm"} <= set(after["converted"])
+    torch.testing.assert_close(torch.tensor(after["losses"]), torch.tensor(stock), rtol=1e-5, atol=1e-6)
