@@ -19,18 +19,22 @@ pytest.importorskip("deepspeed")
 pytest.importorskip("transformers")
 
 
-@pytest.fixture(scope="module")
-def result(tmp_path_factory):
+def two_ranks(script: str, out: Path) -> dict:
+    """Rank 0's JSON of ``script`` run on two CPU ranks (torchrun, gloo, DeepSpeed's CPU accelerator)."""
     with socket.socket() as free:
         free.bind(("127.0.0.1", 0))
         port = free.getsockname()[1]
-    out = tmp_path_factory.mktemp("deepspeed") / "result.json"
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
-               str(Path(__file__).with_name("deepspeed_two_ranks.py")), str(out)]  # fmt: skip
+               str(Path(__file__).with_name(script)), str(out)]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(Path(__file__).parents[1])}
     done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=900, env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory):
+    return two_ranks("deepspeed_two_ranks.py", tmp_path_factory.mktemp("deepspeed") / "result.json")
 
 
 @pytest.mark.parametrize("stage", [2, 3])
@@ -52,3 +56,18 @@ def test_zero2_converts_the_engines_module(result):
     after, stock = result["after-2"], [step[0] for step in result["zero2"]["stock"]]
     assert {"gated MLP", "norm"} <= set(after["converted"])
     torch.testing.assert_close(torch.tensor(after["losses"]), torch.tensor(stock), rtol=1e-5, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def lightning_result(tmp_path_factory):
+    return two_ranks("lightning_deepspeed_two_ranks.py", tmp_path_factory.mktemp("lightning") / "result.json")
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_lowmem_bp_under_lightnings_deepspeed_strategy(lightning_result, stage):
+    """``Trainer(strategy=DeepSpeedStrategy(stage=N), callbacks=[LowMemBP()])`` on ``example_input_array``: converted
+    before the engine is built (under ZeRO-3 outside ``configure_model``'s ``zero.Init``), the head kept, stock's
+    losses."""
+    run = lightning_result[f"zero{stage}"]
+    assert {"gated MLP", "norm", "head"} <= set(run["converted"])
+    torch.testing.assert_close(torch.tensor(run["lowmem"]), torch.tensor(run["stock"]), rtol=1e-5, atol=1e-6)

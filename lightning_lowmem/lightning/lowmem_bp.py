@@ -39,6 +39,7 @@ from lightning_lowmem.surgery import (
     convert_at_first_forward,
     takes_options,
 )
+from lightning_lowmem.surgery.zero3 import init_suspended
 
 
 @takes_options
@@ -145,7 +146,7 @@ class LowMemBP(Callback):
                 "set example_input_array, or use ZeRO stage 1 or 2"
             )
         if not probe_later:
-            with trainer.precision_plugin.forward_context():
+            with trainer.precision_plugin.forward_context(), init_suspended():
                 options = {**self.options.as_dict(), "budget_mib": None}
                 self.report = apply_lowmem(pl_module, example_input=example, **options)
             if budget is None:

@@ -10,6 +10,9 @@ partition; the fused head then asks ZeRO-3 to gather its weight for the loss's b
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 from torch import nn
 
 
@@ -27,3 +30,22 @@ def refuse_partitioned(model: nn.Module, owner: str) -> None:
             "LowMemBP under Lightning's DeepSpeedStrategy, LowMemCallback under the Hugging Face Trainer. Nothing was "
             "changed."
         )
+
+
+@contextmanager
+def init_suspended() -> Iterator[None]:
+    """``deepspeed.zero.Init`` off for the duration, where one is active (Lightning's ``DeepSpeedStrategy`` runs
+    ``configure_model`` in one): the modules the surgery makes are the model's, whole, for the engine to partition."""
+    try:
+        from deepspeed.runtime.zero import partition_parameters
+    except ImportError:
+        yield
+        return
+    active = partition_parameters.top_level_context is not None
+    if active:
+        partition_parameters.shutdown_init_context()
+    try:
+        yield
+    finally:
+        if active:
+            partition_parameters.restore_init_context()

@@ -56,13 +56,29 @@ def fusable_head(model: nn.Module) -> nn.Module:
     return head
 
 
-def _with_labels(example: Any) -> tuple[Any, dict[str, Any]]:
-    """``example`` (its first rows) with ``labels`` (its ``input_ids`` where it has none), and its keyword arguments."""
+def _labelled(value: Any) -> Mapping | None:
+    """The keyword arguments holding ``labels`` in ``value`` (a call's, or a dict inside them: a LightningModule's
+    ``forward(batch)``), or None."""
+    if isinstance(value, Mapping):
+        if isinstance(value.get("labels"), torch.Tensor):
+            return value
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        return next((found for item in value if (found := _labelled(item)) is not None), None)
+    return None
+
+
+def _with_labels(example: Any) -> tuple[Any, Mapping]:
+    """``example`` (its first rows) with ``labels`` (its ``input_ids`` where it has none), and the keyword arguments
+    holding them."""
     example = training_batch(example)
+    call = (example.args, example.kwargs) if isinstance(example, CallArgs) else example
+    if (kwargs := _labelled(call)) is not None:
+        return example, kwargs
     kwargs = example.kwargs if isinstance(example, CallArgs) else example if isinstance(example, Mapping) else None
-    if kwargs is None or not isinstance(kwargs.get("labels", kwargs.get("input_ids")), torch.Tensor):
+    if kwargs is None or not isinstance(kwargs.get("input_ids"), torch.Tensor):
         raise NotConvertible("the example input has no labels or input_ids (keyword arguments) to check its loss on")
-    kwargs = {**kwargs, "labels": kwargs.get("labels", kwargs.get("input_ids"))}
+    kwargs = {**kwargs, "labels": kwargs["input_ids"]}
     return (replace(example, kwargs=kwargs) if isinstance(example, CallArgs) else kwargs), kwargs
 
 
