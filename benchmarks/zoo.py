@@ -667,7 +667,7 @@ def main() -> None:
         body += "\n\n" + markdown_table(["model", "outcome", "what"], rows)
     print(body)
     if args.write:
-        write_section("zoo", body, " ".join(["python -m benchmarks.zoo", *sys.argv[1:]]))
+        write_section("breadth", body, " ".join(["python -m benchmarks.zoo", *sys.argv[1:]]))
 
 
 if __name__ == "__main__":
