@@ -162,12 +162,12 @@ def training_step(model: nn.Module, example: Any, exact: bool = True) -> Trainin
         outputs = [t for t in tensors_in(output) if t.is_floating_point()]
         if loss is None:
             step.outputs = [t.detach().float() for t in outputs]
-            trained = [(i, t) for i, t in enumerate(outputs) if t.requires_grad]
-            loss = sum(((t.float() * _direction(t, i)).sum() for i, t in trained), torch.zeros(()))
+            terms = [(t.float() * _direction(t, i)).sum() for i, t in enumerate(outputs) if t.requires_grad]
+            loss = sum(terms[1:], terms[0]) if terms else None  # no tensor made on the default device
         else:
             step.loss = loss.detach().float()
         del output, outputs
-        if not loss.requires_grad:
+        if loss is None or not loss.requires_grad:
             return step
         grads = list(torch.autograd.grad(loss, list(leaves.values()), allow_unused=True))
     for index, name in enumerate(leaves):
