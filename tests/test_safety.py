@@ -223,3 +223,55 @@ def test_a_compiled_model_is_converted_through_the_module_it_compiles():
     assert report.status("norm_a") == "converted" and isinstance(model.norm_a, MemorySharingNorm)
     with pytest.raises(ValueError, match="pass example_input, or call apply_lowmem before torch.compile"):
         apply_lowmem(torch.compile(Custom(), backend="eager"))
+
+
+def test_the_training_check_touches_no_gradient_and_fires_no_gradient_hook():
+    """The verify stage's step takes its gradients with ``autograd.grad``: ``.grad`` stays as it was, and hooks on a
+    parameter's accumulated gradient (DeepSpeed's reductions, an optimizer in backward) never fire."""
+    model = peft.get_peft_model(Custom(), peft.LoraConfig(r=4, target_modules=["up", "proj"]))
+    trained = [p for p in model.parameters() if p.requires_grad]
+    kept = torch.ones_like(trained[0])
+    trained[0].grad = kept
+    fired = []
+    for p in trained:
+        p.register_post_accumulate_grad_hook(lambda p: fired.append(p))
+    step = verify_module.training_step(model, torch.randn(2, 4, 32))
+    assert step.norms and set(step.norms) == set(step.projections) and step.outputs and step.loss is None
+    assert trained[0].grad is kept and all(p.grad is None for p in trained[1:]) and not fired
+
+
+def test_the_training_check_turns_every_dropout_off_and_compares_to_rounding():
+    """Stock dropouts (modules, ``F.dropout``, SDPA's ``dropout_p``) and the seeded ones are the identity in the check's
+    step, so a model with dropout everywhere compares with its converted self exactly; a gradient changed by 1% is
+    found."""
+    stock, x = zoo.hidden_dropout("bert", 0.3)
+    first = verify_module.training_step(stock, x)
+    assert verify_module.compare(first, verify_module.training_step(stock, x), 1e-4) is None
+    converted = copy.deepcopy(stock)
+    report = apply_lowmem(converted, example_input=x)
+    assert any(e.kind == "dropout" and e.status == "converted" for e in report.entries)
+    assert verify_module.compare(first, verify_module.training_step(converted, x), 1e-4) is None
+    nudged = verify_module.training_step(converted, x)
+    name = next(iter(nudged.projections))
+    nudged.projections[name] = nudged.projections[name] * 1.01 + 0.01 * nudged.norms[name]
+    assert "gradient of" in verify_module.compare(first, nudged, 1e-4)
+
+
+def test_a_wrong_backward_is_rolled_back_alone_with_its_figures(monkeypatch):
+    """A family whose forward is stock's but whose backward is not (a gated MLP's, made to drop its up projection's
+    gradient here) passes the eval check; the training check finds it, rolls it back alone and says why."""
+    from lightning_lowmem.nn import gated
+
+    real = gated.GatedMLPBase.forward
+
+    def wrong(self, x):
+        y = real(self, x)
+        return y.detach() + (y - y.detach()) * 0.5  # stock values, half the gradient
+
+    monkeypatch.setattr(gated.GatedMLPBase, "forward", wrong)
+    model = tiny_llama()
+    ids = torch.randint(3, 100, (2, 8))
+    report = apply_lowmem(model, example_input={"input_ids": ids, "labels": ids})
+    entries = [e for e in report.entries if e.kind == "gated MLP"]
+    assert entries and all(e.status == "left alone" and "off stock's" in e.detail for e in entries), entries
+    assert any(e.kind == "norm" and e.status == "converted" for e in report.entries)
