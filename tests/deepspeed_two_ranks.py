@@ -12,10 +12,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
-import deepspeed  # noqa: E402
+import deepspeed
 
-from benchmarks import zoo  # noqa: E402
-from lightning_lowmem import apply_lowmem  # noqa: E402
+from benchmarks import zoo
+from lightning_lowmem import apply_lowmem
 
 STEPS = 3
 # its shared-memory op takes minutes to build; gloo does the work (deepspeed.comm.torch is torch as an attribute)

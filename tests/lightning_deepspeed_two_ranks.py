@@ -14,8 +14,8 @@ import torch
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
-from benchmarks import zoo  # noqa: E402
-from lightning_lowmem import LowMemBP  # noqa: E402
+from benchmarks import zoo
+from lightning_lowmem import LowMemBP
 
 STEPS = 3
 importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None  # as in deepspeed_two_ranks.py

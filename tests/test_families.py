@@ -206,13 +206,14 @@ def test_litgpt_lora_layers_have_entries():
 def test_nominate_finds_each_familys_candidates_and_changes_nothing():
     model = zoo.llama()
     before = {name: id(module) for name, module in model.named_modules()}
-    found = nominate(model, Options())
+    found = nominate(model, Options(), batch())  # the head's loss is computed on it: nothing changes either
     assert set(found["gated MLP"]) == {"model.layers.0.mlp", "model.layers.1.mlp"}
     assert found.claimed == {"model.layers.0.mlp.act_fn", "model.layers.1.mlp.act_fn"}
     assert not found["activation"]  # claimed by the gated MLPs
     assert len(found["norm"]) == 5 and found.norms["model.norm"] == (zoo.HIDDEN,)
     assert found["linear"]["model.layers.0.self_attn.q_proj"] == "linear"
-    assert list(found["head"]) == [""]
+    assert list(found["head"]) == [""] and found["head"][""].shift  # transformers' loss: labels shifted
+    assert nominate(model, Options()).entries[":head"].detail == "no example input to check its loss on"
     assert before == {name: id(module) for name, module in model.named_modules()}
 
 
@@ -227,7 +228,7 @@ def test_probe_records_the_linear_readers_of_each_norm():
 
 def test_plan_is_a_list_of_changes_that_changes_nothing():
     model = zoo.llama()
-    found = nominate(model, Options())
+    found = nominate(model, Options(), batch())
     flow = trace_norms(model, found, batch())
     plan = make_plan(model, found, flow, Options())
     named = dict(model.named_modules())

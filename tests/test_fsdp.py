@@ -445,7 +445,8 @@ def test_fsdp2_fuses_the_loss_of_a_causal_lm_whose_head_it_shards(one_process_gr
     fully_shard(model, mesh=mesh)
     ids = torch.randint(0, stock.config.vocab_size, (2, 64))  # rows enough that a trained fused head saves
     report = apply_lowmem(model, example_input={"input_ids": ids, "labels": ids}, activation=False)
-    assert [e.status for e in report.entries if e.kind == "head"] == ["converted"]
+    heads = [e for e in report.entries if e.kind == "head"]
+    assert [e.status for e in heads] == ["converted"], heads
     model.zero_grad(set_to_none=True)
     output, want = model(input_ids=ids, labels=ids), stock(input_ids=ids, labels=ids)
     output.loss.backward()

@@ -290,7 +290,7 @@ def max_sequence_length(
     return size
 
 
-def nominate(model: nn.Module, options: Options, example: Any) -> Candidates:
+def nominate(model: nn.Module, options: Options, example: Any = None) -> Candidates:
     """Every family's verified candidates, in the order of :data:`FAMILIES`; modules an earlier run converted are
     reported so. Nothing changes."""
     found = Candidates(fsdp_owners=fsdp.owners(model), example=example)
@@ -379,7 +379,9 @@ def run(report: LowMemReport, model: nn.Module, options: Options, example: Any) 
     checking = has_example and options.verify
     reference = (flow.outputs or eval_outputs(model, example)) if checking else None
     batch = training_batch(example) if checking else None
-    stock_step = training_step(model, batch) if checking else None
+    # FSDP2 reshards around a step's backward: a check's step, then a rollback, leave its records astray
+    training = checking and not found.fsdp_owners
+    stock_step = training_step(model, batch) if training else None
 
     surgery = decided.apply(model)
     try:

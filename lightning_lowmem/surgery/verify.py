@@ -48,8 +48,14 @@ def output_tolerance(model: nn.Module) -> float:
     models then differ by that rounding, both as close to an fp32 run)."""
     half = (torch.float16, torch.bfloat16)
     device_types = {p.device.type for p in model.parameters()} or {"cpu"}
-    autocast = any(torch.amp.is_autocast_available(d) and torch.is_autocast_enabled(d) for d in device_types)
-    return 5e-2 if autocast or any(p.dtype in half for p in model.parameters()) else 1e-4
+    return HALF_TOLERANCE if _autocast(device_types) or any(p.dtype in half for p in model.parameters()) else 1e-4
+
+
+HALF_TOLERANCE = 5e-2
+
+
+def _autocast(device_types: set[str]) -> bool:
+    return any(torch.amp.is_autocast_available(d) and torch.is_autocast_enabled(d) for d in device_types)
 
 
 def _differs(a: torch.Tensor, b: torch.Tensor, tolerance: float) -> str | None:
@@ -78,14 +84,20 @@ def verify(model: nn.Module, example: Any, reference: list[torch.Tensor]) -> Non
 
 
 class _StockDropoutOff(TorchFunctionMode):
-    """torch's dropouts as in evaluation (the identity), attention's ``dropout_p`` 0."""
+    """torch's dropouts as in evaluation (the identity), attention's ``dropout_p`` 0; ``autocast``: whether a call ran
+    under autocast (entered inside the model's call, as accelerate's patched forward does)."""
 
     _DROPOUTS = frozenset(
         {F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout, torch.dropout}
     )
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.autocast = False
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        self.autocast = self.autocast or _autocast({"cpu", "cuda"})
         if func in self._DROPOUTS:
             return args[0] if args else kwargs["input"]
         if func is F.scaled_dot_product_attention:  # (query, key, value, attn_mask, dropout_p, ...)
@@ -94,10 +106,10 @@ class _StockDropoutOff(TorchFunctionMode):
 
 
 @contextmanager
-def dropout_off() -> Iterator[None]:
+def dropout_off() -> Iterator[_StockDropoutOff]:
     """Every dropout the identity, stock's and this library's: a training step as deterministic as evaluation."""
-    with _StockDropoutOff(), dropout_suspended():
-        yield
+    with _StockDropoutOff() as mode, dropout_suspended():
+        yield mode
 
 
 @dataclass
@@ -107,6 +119,7 @@ class TrainingStep:
 
     loss: torch.Tensor | None = None
     outputs: list[torch.Tensor] = field(default_factory=list)
+    half: bool = False  # it ran under autocast
     norms: dict[str, float] = field(default_factory=dict)
     projections: dict[str, torch.Tensor] = field(default_factory=dict)
 
@@ -127,7 +140,7 @@ def _project(grad: torch.Tensor, index: int) -> torch.Tensor:
     flat = grad.detach().reshape(-1)
     total = torch.zeros(_PROJECTIONS, dtype=torch.float64, device=grad.device)
     for chunk in flat.split(_CHUNK):
-        directions = torch.randn(_PROJECTIONS, chunk.numel(), generator=generator, device=grad.device)
+        directions = torch.randn(_PROJECTIONS, chunk.numel(), generator=generator, device=grad.device, dtype=torch.float32)
         total += (directions @ chunk.float()).double()
     return total.cpu()
 
@@ -156,8 +169,9 @@ def training_step(model: nn.Module, example: Any, exact: bool = True) -> Trainin
     leaves = {name: p for name, p in model.named_parameters() if p.requires_grad}
     leaves |= {f"input {i}": t for i, t in enumerate(inputs)}
     step = TrainingStep()
-    with isolated(model, train=True), dropout_off(), exact_derivatives() if exact else nullcontext():
+    with isolated(model, train=True), dropout_off() as mode, exact_derivatives() if exact else nullcontext():
         output = call(model, example)
+        step.half = mode.autocast
         loss = loss_in(output)
         outputs = [t for t in tensors_in(output) if t.is_floating_point()]
         if loss is None:
@@ -181,7 +195,7 @@ def training_step(model: nn.Module, example: Any, exact: bool = True) -> Trainin
 def _direction(output: torch.Tensor, index: int) -> torch.Tensor:
     """A fixed random weighting of ``output``'s elements: the backward of a model that returns no loss."""
     generator = torch.Generator(output.device).manual_seed(1_000_003 + index)
-    return torch.randn(output.shape, generator=generator, device=output.device)
+    return torch.randn(output.shape, generator=generator, device=output.device, dtype=torch.float32)
 
 
 def gradient_errors(reference: TrainingStep, step: TrainingStep) -> dict[str, float]:
@@ -239,7 +253,8 @@ def check_training(
     tolerance = output_tolerance(model)
 
     def failure() -> str | None:
-        return compare(reference, training_step(model, example), tolerance)
+        step = training_step(model, example)
+        return compare(reference, step, HALF_TOLERANCE if reference.half or step.half else tolerance)
 
     found = failure()
     if found is None:

@@ -13,8 +13,10 @@ whose loss is neither (ProphetNet's two-step predictions) keeps its head, with t
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
+from functools import partial
 from numbers import Real
 from typing import Any
 
@@ -29,7 +31,7 @@ from lightning_lowmem.surgery.example import CallArgs, call, isolated, loss_in
 from lightning_lowmem.surgery.families.base import Candidates, Family
 from lightning_lowmem.surgery.identify import NotConvertible, foreign_hooks
 from lightning_lowmem.surgery.report import Entry
-from lightning_lowmem.surgery.verify import output_tolerance, training_batch
+from lightning_lowmem.surgery.verify import dropout_off, output_tolerance, training_batch
 
 _DETAIL = "training loss through the fused linear + cross-entropy (no logits; logits None with labels)"
 
@@ -82,10 +84,16 @@ def _with_labels(example: Any) -> tuple[Any, Mapping]:
     return (replace(example, kwargs=kwargs) if isinstance(example, CallArgs) else kwargs), kwargs
 
 
-def loss_semantics(model: nn.Module, lm: nn.Module, head: nn.Module, example: Any) -> LossSemantics:
+def loss_semantics(
+    model: nn.Module,
+    lm: nn.Module,
+    head: nn.Module,
+    example: Any,
+    gathered: Callable[[], AbstractContextManager] = nullcontext,
+) -> LossSemantics:
     """How the fused loss computes the causal LM ``lm``'s own training loss: the semantics under which the fused loss
     of the hidden states ``head`` reads equals the loss ``model`` returns on ``example`` (with labels), or
-    :class:`NotConvertible` with the figures."""
+    :class:`NotConvertible` with the figures. ``gathered()``: the head's parameters whole (FSDP2) for the fused loss."""
     if example is None:
         raise NotConvertible("no example input to check its loss on")
     batch, kwargs = _with_labels(example)
@@ -95,7 +103,7 @@ def loss_semantics(model: nn.Module, lm: nn.Module, head: nn.Module, example: An
     hidden: list[torch.Tensor] = []
     handle = head.register_forward_pre_hook(lambda _, args: hidden.append(args[0]))
     try:
-        with isolated(model, train=True), torch.no_grad():
+        with isolated(model, train=True), torch.no_grad(), dropout_off():  # a LoRA head's dropout: the same identity
             loss = loss_in(call(model, batch))
     except Exception as err:
         raise NotConvertible(f"it cannot run the example with labels ({type(err).__name__}: {err})") from err
@@ -108,7 +116,7 @@ def loss_semantics(model: nn.Module, lm: nn.Module, head: nn.Module, example: An
     for shift in (True, False):
         semantics = LossSemantics(shift, float(scale))
         try:
-            with torch.no_grad():
+            with torch.no_grad(), dropout_off(), gathered():
                 fused = causal_lm_loss(hidden[0], head, **{**kwargs, "softcap": softcap, "semantics": semantics}).item()
         except (ValueError, RuntimeError) as err:
             raise NotConvertible(f"its loss is not one the fused loss computes ({err})") from err
@@ -131,7 +139,9 @@ class Heads(Family):
                 found.entries[f"{name}:head"] = Entry(name, self.kind, type(module).__name__, "already converted", "")
                 continue
             try:
-                found[self.kind][name] = loss_semantics(model, module, fusable_head(module), found.example)
+                head = fusable_head(module)
+                gathered = partial(found.gathered, next(n for n, m in model.named_modules() if m is head))
+                found[self.kind][name] = loss_semantics(model, module, head, found.example, gathered)
             except NotConvertible as err:
                 found.entries[f"{name}:head"] = Entry(name, self.kind, type(module).__name__, "left alone", str(err))
 
