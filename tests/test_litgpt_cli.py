@@ -104,8 +104,8 @@ def test_finetune_lora_has_the_litgpt_commands_losses_and_converts(checkpoint, t
 
 def test_two_devices_convert_on_both_ranks_and_keep_litgpts_losses(checkpoint, tmp_path):
     """``--devices 2`` (LitGPT's ModelParallelStrategy: FSDP2 over each block, then the root, on CPU with gloo): the
-    model converts on rank 0's batch with the options given, the head FSDP2 shards with the root keeps LitGPT's
-    logits (with why), and the losses are ``litgpt finetune_lora``'s."""
+    model converts on rank 0's batch with the options given, the head FSDP2 shards with the root is fused (gathered for
+    the loss's forward and backward), and the losses are ``litgpt finetune_lora``'s."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     runs = {}
     for name, command in (("stock", ["litgpt"]), ("lowmem", ["lightning_lowmem.litgpt", "--lowmem.gated", "false"])):
@@ -121,7 +121,7 @@ def test_two_devices_convert_on_both_ranks_and_keep_litgpts_losses(checkpoint, t
     )
     report = runs["lowmem"]
     assert report.count("model surgery") == 1 and "gated MLP" not in report.split("model surgery")[1].split("Epoch")[0]
-    assert "FSDP2 shards its head with the root module" in report and "norms converted" in report
+    assert "chunked_cross_entropy through the fused linear + cross-entropy" in report and "norms converted" in report
 
 
 @pytest.mark.parametrize(

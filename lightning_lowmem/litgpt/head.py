@@ -22,6 +22,7 @@ from torch import nn
 
 from lightning_lowmem.nn.adapters import adapter_of, not_a_linear_head
 from lightning_lowmem.nn.causal_lm import causal_lm_loss
+from lightning_lowmem.surgery import fsdp
 
 DROP_LAST = (Ellipsis, slice(None, -1, None), slice(None, None, None))  # LitGPT's shift: logits[..., :-1, :]
 
@@ -54,13 +55,7 @@ def head_layer(model: nn.Module) -> nn.Module:
 
 
 def head_refusal(model: nn.Module) -> str | None:
-    """Why the fused loss cannot compute the LitGPT ``model``'s logits (``None``: it can). The loss runs after the
-    model's forward, through the head's own call: a head FSDP2 shards with the root (LitGPT's ``parallelize_fn``)
-    has been resharded by then; one sharded on its own is gathered by that call."""
-    from torch.distributed.fsdp import FSDPModule
-
-    if isinstance(model, FSDPModule) and not isinstance(model.lm_head, FSDPModule):
-        return "FSDP2 shards its head with the root module, resharded after the forward (LitGPT's logits kept)"
+    """Why the fused loss cannot compute the LitGPT ``model``'s logits (``None``: it can)."""
     layer = head_layer(model)
     adapter = adapter_of(layer)
     return not_a_linear_head(layer) if adapter is None else adapter.head_refusal(layer)
@@ -110,9 +105,24 @@ class FusedLossHead:
             "softcap": self.model.config.final_logit_softcapping,
         }
         try:
-            return self.head(hidden.hidden)  # through the head's call: FSDP2's hooks gather a sharded head
+            # through the head's call, where FSDP2's hooks gather a head sharded on its own; a head FSDP2 shards with
+            # the root (LitGPT's parallelize_fn) was resharded after the forward: gathered for the loss's forward and
+            # backward (FSDP2's end of backward reduces the root's gradients and reshards it)
+            owner = self._owner()
+            with fsdp.gathered(owner):
+                loss = self.head(hidden.hidden)
+            if owner is not None and loss.requires_grad:  # and again for its backward (a LoRA head's reads weights)
+                loss.register_hook(lambda grad: owner.unshard())
+            return loss
         finally:
             self.loss_args = None
+
+    def _owner(self) -> nn.Module | None:
+        """The FSDP2 module sharding the head with others (the root), or None (not sharded, or sharded on its own)."""
+        from torch.distributed.fsdp import FSDPModule
+
+        sharded_alone = isinstance(self.head, FSDPModule)
+        return self.model if isinstance(self.model, FSDPModule) and not sharded_alone else None
 
 
 def chunked_cross_entropy(
