@@ -87,3 +87,21 @@ def test_timm_models_train_as_stock(model_name):
     model, example = zoo.tiny_timm(model_name)
     outcome = zoo.check_conversion(model, example)
     assert outcome.status == "exact", outcome.problems
+
+
+def test_k_bit_activations_whose_error_compounds_through_a_convnet_are_rolled_back():
+    """EfficientNet's SiLUs follow BatchNorms: the 2-bit backward's error grows block by block (thousands of percent
+    at initialisation), past the verify stage's limit: its activations stay stock, with the figure; a ViT's stay
+    converted, their error in the report."""
+    from lightning_lowmem.surgery.verify import APPROXIMATION_LIMIT
+
+    pytest.importorskip("timm")
+    model, example = zoo.tiny_timm("efficientnet_b0")
+    report = apply_lowmem(model, example_input=example, measure=False)
+    activations = [e for e in report.entries if e.kind == "activation"]
+    assert activations and all(e.status == "left alone" and "compounds" in e.detail for e in activations)
+    assert report.gradient_error is None
+    model, example = zoo.tiny_timm("vit_tiny_patch16_224")
+    report = apply_lowmem(model, example_input=example, measure=False)
+    assert any(e.kind == "activation" and e.status == "converted" for e in report.entries)
+    assert 0 < report.gradient_error < APPROXIMATION_LIMIT

@@ -56,7 +56,7 @@ from lightning_lowmem.surgery.training_memory import (
     with_length,
 )
 from lightning_lowmem.surgery.verify import (
-    approximation_error,
+    check_approximation,
     check_training,
     eval_outputs,
     training_batch,
@@ -392,8 +392,10 @@ def run(report: LowMemReport, model: nn.Module, options: Options, example: Any) 
             surgery, failures = check_training(model, batch, stock_step, decided, surgery, separable)
             decided = decided.without(failures)
             report.reject(failures)
+            surgery, decided, failures, error = check_approximation(model, batch, stock_step, decided, surgery)
+            report.reject(failures)
             if any(e.kind == "activation" and e.status == "converted" for e in report.entries):
-                report.gradient_error = approximation_error(stock_step, training_step(model, batch, exact=False))
+                report.gradient_error = error
         if report.saved_bytes_before is not None:
             report.record(measure_saved(model, example), converted=True)
             surgery = _drop_what_costs(model, example, decided, surgery, report)  # never worse, kind by kind

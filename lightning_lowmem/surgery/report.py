@@ -72,8 +72,8 @@ class LowMemReport:
 
     def reject(self, failures: dict[str, str]) -> None:
         """The changes of the kinds in ``failures`` were undone: the training check found them computing something
-        else than the stock model (each kind's figures)."""
-        reasons = {kind: f"rolled back: the training step with it differs from stock's ({why})" for kind, why in failures.items()}
+        else than the stock model, or too far from it (each kind's figures)."""
+        reasons = {kind: f"rolled back: {why}" for kind, why in failures.items()}
         self.entries = [
             replace(e, status="left alone", detail=reasons[e.family])
             if e.status == "converted" and e.family in reasons
