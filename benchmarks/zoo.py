@@ -455,7 +455,9 @@ def tiny_hf(model_type: str, task: str) -> tuple[nn.Module, dict[str, torch.Tens
     for key in ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id"):
         if isinstance(getattr(config, key, None), int):
             setattr(config, key, 2)
-    model = getattr(transformers, hf_model_types(task)[model_type])(config).float().train()
+    cls = getattr(transformers, hf_model_types(task)[model_type])
+    _refuse_large(lambda: cls(config))
+    model = cls(config).float().train()
     if task == "image-classification":
         size = getattr(config, "image_size", 32)
         size = size[0] if isinstance(size, (list, tuple)) else size
@@ -465,6 +467,23 @@ def tiny_hf(model_type: str, task: str) -> tuple[nn.Module, dict[str, torch.Tens
     ids[:, -1] = 2  # an <eos> to pool on (BART's classification head)
     labels = ids.clone() if task == "causal-lm" else torch.tensor([0, 1])
     return model, {"input_ids": ids, "labels": labels}
+
+
+LARGEST = 60_000_000  # parameters: a config whose sub-models the shrinking misses stays big (BLT: gigabytes)
+
+
+def _refuse_large(build: Callable[[], nn.Module]) -> None:
+    """Raise where the model ``build`` makes (on the meta device: nothing allocated) holds more than :data:`LARGEST`
+    parameters; a model that cannot be built on the meta device is let through."""
+    try:
+        with torch.device("meta"):
+            count = sum(p.numel() for p in build().parameters())
+    except TypeError:
+        raise
+    except Exception:  # noqa: BLE001 - an init that touches data: built for real, unchecked
+        return
+    if count > LARGEST:
+        raise ValueError(f"{count / 1e6:.0f}M parameters at tiny dims (more than {LARGEST / 1e6:.0f}M)")
 
 
 _TIMM_SIZES = ("atto", "femto", "pico", "nano", "tiny", "xxs", "xs", "small", "s")
@@ -491,8 +510,10 @@ def tiny_timm(model_name: str) -> tuple[nn.Module, torch.Tensor]:
 
     torch.manual_seed(0)
     try:
+        _refuse_large(lambda: timm.create_model(model_name, pretrained=False, num_classes=10, img_size=64))
         model, size = timm.create_model(model_name, pretrained=False, num_classes=10, img_size=64), 64
     except TypeError:
+        _refuse_large(lambda: timm.create_model(model_name, pretrained=False, num_classes=10))
         model = timm.create_model(model_name, pretrained=False, num_classes=10)
         size = model.pretrained_cfg.get("input_size", (3, 224, 224))[-1]
     channels = model.pretrained_cfg.get("input_size", (3,))[0]
@@ -620,6 +641,7 @@ def main() -> None:
     timm module, tiny and random-init, converted by default with and without peft LoRA (r 8 on every linear layer,
     dropout 0.05), each held to the stock copy by :func:`check_conversion`; a table of outcomes to RESULTS.md."""
     import argparse
+    import gc
     import sys
     import time
     import warnings
@@ -651,6 +673,8 @@ def main() -> None:
                 outcome = Outcome("skipped", [f"build: {type(err).__name__}: {str(err)[:100]}"])
             else:
                 outcome = check_conversion(model, example)
+            model = example = None
+            gc.collect()  # each case's models go before the next is built
             counts[(library, adapters, outcome.status)] += 1
             label = f"{name}{' + LoRA' if adapters else ''}"
             print(f"{time.time() - start:7.0f}s {outcome.status:8} {label}: {'; '.join(outcome.problems)}", flush=True)
