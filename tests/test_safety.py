@@ -236,14 +236,18 @@ def test_the_training_check_touches_no_gradient_and_fires_no_gradient_hook():
     for p in trained:
         p.register_post_accumulate_grad_hook(lambda p: fired.append(p))
     step = verify_module.training_step(model, torch.randn(2, 4, 32))
-    assert step.norms and set(step.norms) == set(step.projections) and step.outputs and step.loss is None
+    assert step.norms and set(step.norms) == set(step.projections) | set(step.kept)
+    assert step.outputs and step.loss is None
     assert trained[0].grad is kept and all(p.grad is None for p in trained[1:]) and not fired
 
 
-def test_the_training_check_turns_every_dropout_off_and_compares_to_rounding():
+@pytest.mark.parametrize("figures", ["kept whole", "projected"])
+def test_the_training_check_turns_every_dropout_off_and_compares_to_rounding(monkeypatch, figures):
     """Stock dropouts (modules, ``F.dropout``, SDPA's ``dropout_p``) and the seeded ones are the identity in the check's
     step, so a model with dropout everywhere compares with its converted self exactly; a gradient changed by 1% is
-    found."""
+    found, kept whole (a small one) or by its projections (a large one)."""
+    if figures == "projected":
+        monkeypatch.setattr(verify_module, "_KEPT", 0)
     stock, x = zoo.hidden_dropout("bert", 0.3)
     first = verify_module.training_step(stock, x)
     assert verify_module.compare(first, verify_module.training_step(stock, x), 1e-4) is None
@@ -252,8 +256,10 @@ def test_the_training_check_turns_every_dropout_off_and_compares_to_rounding():
     assert any(e.kind == "dropout" and e.status == "converted" for e in report.entries)
     assert verify_module.compare(first, verify_module.training_step(converted, x), 1e-4) is None
     nudged = verify_module.training_step(converted, x)
-    name = next(iter(nudged.projections))
-    nudged.projections[name] = nudged.projections[name] * 1.01 + 0.01 * nudged.norms[name]
+    held = nudged.kept if figures == "kept whole" else nudged.projections
+    assert set(held) == set(nudged.norms)
+    name = next(iter(held))
+    held[name] = held[name] * 1.01 + 0.01 * nudged.norms[name]
     assert "gradient of" in verify_module.compare(first, nudged, 1e-4)
 
 

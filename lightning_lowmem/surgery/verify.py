@@ -34,6 +34,7 @@ from lightning_lowmem.surgery.example import CallArgs, batch_size, call, isolate
 _PROJECTIONS = 3
 _CHUNK = 1 << 24  # elements of a gradient projected at once: the random directions are drawn chunk by chunk
 _ROWS = 2  # the training check runs on the example's first rows
+_KEPT = 1 << 16  # a gradient this small is kept whole (fp32, host): cheaper than its projections, and exact
 
 
 def eval_outputs(model: nn.Module, example: Any) -> list[torch.Tensor]:
@@ -97,7 +98,7 @@ class _StockDropoutOff(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        self.autocast = self.autocast or _autocast({"cpu", "cuda"})
+        self.autocast = self.autocast or torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda")
         if func in self._DROPOUTS:
             return args[0] if args else kwargs["input"]
         if func is F.scaled_dot_product_attention:  # (query, key, value, attn_mask, dropout_p, ...)
@@ -115,13 +116,15 @@ def dropout_off() -> Iterator[_StockDropoutOff]:
 @dataclass
 class TrainingStep:
     """The figures of one training step: its loss (or its outputs, where it returns no loss) and, per gradient
-    (trainable parameters by name, then the float inputs), its norm and its projections on fixed random directions."""
+    (trainable parameters by name, then the float inputs), its norm and its projections on fixed random directions
+    (or, for a small one, the gradient itself)."""
 
     loss: torch.Tensor | None = None
     outputs: list[torch.Tensor] = field(default_factory=list)
     half: bool = False  # it ran under autocast
     norms: dict[str, float] = field(default_factory=dict)
     projections: dict[str, torch.Tensor] = field(default_factory=dict)
+    kept: dict[str, torch.Tensor] = field(default_factory=dict)  # gradients of at most _KEPT elements, whole
 
 
 def training_batch(example: Any) -> Any:
@@ -188,7 +191,10 @@ def training_step(model: nn.Module, example: Any, exact: bool = True) -> Trainin
         grad, grads[index] = grads[index], None  # each gradient freed once projected
         if grad is not None:
             step.norms[name] = float(grad.detach().float().norm())
-            step.projections[name] = _project(grad, index)
+            if grad.numel() <= _KEPT:
+                step.kept[name] = grad.detach().float().reshape(-1).cpu()
+            else:
+                step.projections[name] = _project(grad, index)
     return step
 
 
@@ -201,11 +207,13 @@ def _direction(output: torch.Tensor, index: int) -> torch.Tensor:
 def gradient_errors(reference: TrainingStep, step: TrainingStep) -> dict[str, float]:
     """Each gradient's distance from the stock one, estimated from the projections (the difference's projection on a
     standard normal direction has the difference's norm as its spread)."""
-    return {
+    errors = {
         name: math.sqrt(float(((step.projections[name] - projected) ** 2).mean()))
         for name, projected in reference.projections.items()
         if name in step.projections
     }
+    errors |= {name: float((step.kept[name] - kept).norm()) for name, kept in reference.kept.items() if name in step.kept}
+    return errors
 
 
 def approximation_error(reference: TrainingStep, step: TrainingStep) -> float:
