@@ -1,6 +1,6 @@
-// The kernel contract of lightning_lowmem.kernels.torch_ops, for one device: argument checks,
-// output allocation, and the registration of the kernels of the `lowmem` operators (schemas in
-// lightning_lowmem/kernels/library.py) for the extension's dispatch key. Shared by the CPU and
+// The ops declared in lightning_lowmem/kernels/torch_ops.py, for one device: argument checks,
+// output allocation, and the registration of the kernels of the `lowmem` operators (their schemas
+// inferred from those declarations) for the extension's dispatch key. Shared by the CPU and
 // CUDA extensions; the CUDA build defines LOWMEM_CUDA.
 #include <ATen/ATen.h>
 #include <c10/util/string_view.h>

@@ -1,4 +1,4 @@
-// Device-specific launchers behind the contract in lowmem_bind.cpp. lowmem_cpu.cpp and
+// Device-specific launchers behind the operators of lowmem_bind.cpp. lowmem_cpu.cpp and
 // lowmem_cuda.cu each implement all of them; an extension links exactly one.
 // Callers pass contiguous tensors of checked dtypes and preallocated outputs.
 #pragma once

@@ -99,7 +99,7 @@ def recorder() -> type[SavedRecorder]:
 
 
 class KernelBackend(NamedTuple):
-    """A compiled backend under test: its name, the device its tensors live on, what implements the contract
+    """A compiled backend under test: its name, the device its tensors live on, what implements the declared ops
     (the ``torch.ops.lowmem_triton`` operators of the Triton kernels, or the ``torch.ops.lowmem`` operators for the
     C++ and CUDA extensions)."""
 

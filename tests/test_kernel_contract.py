@@ -1,8 +1,9 @@
-"""Every kernel backend implements the contract of lightning_lowmem.kernels.contract, op by op."""
+"""What a declaration (kernels.library.declare) cannot guarantee by itself: that the compiled backends register
+the declared operators, the Triton functions take their declarations' arguments, and every kernel knows the
+activation kinds."""
 
 from __future__ import annotations
 
-import inspect
 import re
 from pathlib import Path
 
@@ -11,60 +12,47 @@ import torch
 
 from lightning_lowmem import kernels
 from lightning_lowmem.kernels import build, library, torch_ops
-from lightning_lowmem.kernels.contract import KernelContract
 from lightning_lowmem.registry.activations import ACTIVATIONS
 
-CONTRACT = sorted(
-    name for name, _ in inspect.getmembers(KernelContract, inspect.isfunction) if not name.startswith("_")
-)
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
 
 
-def parameters(function) -> list[str]:
-    return [name for name in inspect.signature(function).parameters if name != "self"]
+def test_every_declared_op_says_what_it_computes_and_is_its_own_operator():
+    for name, declared in library.DECLARED.items():
+        assert declared.reference is getattr(torch_ops, name) and len(declared.reference.__doc__ or "") > 40, name
+        assert str(getattr(library.OPS, name).default._schema) == f"lowmem::{name}{declared.schema}"
 
 
-def test_the_contract_lists_every_op_and_the_operators_add_only_the_opaque_stock_activation():
-    assert CONTRACT == sorted(
-        [
-            "act_codes",
-            "act_forward",
-            "act_backward",
-            "norm_forward",
-            "norm_affine_forward",
-            "norm_backward",
-            "norm_exact_columns",
-            "norm_output_forward",
-            "norm_output_backward",
-            "gated_exceptions",
-            "gated_backward",
-            "dropout",
-            "dropout_input_and_grad",
-            "affine_weight_grad",
-            "cross_entropy_grad_",
-        ]
-    )
-    assert set(library.SCHEMAS) == {*CONTRACT, "stock_activation"}
-
-
-@pytest.mark.parametrize("op", CONTRACT)
-def test_the_operator_schema_and_the_python_backends_take_the_contracts_arguments(op):
-    expected = parameters(getattr(KernelContract, op))
-    assert [a.name for a in getattr(torch.ops.lowmem, op).default._schema.arguments] == expected
-    assert parameters(getattr(torch_ops, op)) == expected
-    triton_ops = pytest.importorskip("lightning_lowmem.kernels.triton_ops")
-    assert parameters(getattr(triton_ops, op)) == expected
-
-
-def test_the_compiled_backends_register_only_contract_ops_and_the_cpu_one_all_of_them():
+def test_the_compiled_backends_register_only_declared_ops_and_the_cpu_one_all_of_them():
     """csrc/lowmem_bind.cpp is built twice, for the CPU and (with LOWMEM_CUDA) the CUDA key; an op a build does
     not register runs the reference (the operators' CompositeExplicitAutograd kernel)."""
     registered = re.findall(r'm\.impl\("(\w+)"', (CSRC / "lowmem_bind.cpp").read_text())
-    assert set(registered) <= set(CONTRACT)
+    assert set(registered) <= set(library.DECLARED)
     if isinstance(build.load("cpu"), build.BuildError) or kernels.backend("cpu") != "cpp":
         pytest.skip("the CPU extension is not built here")
-    for op in CONTRACT:
+    for op in library.DECLARED.keys() - {"stock_activation"}:  # the stock one is ATen's everywhere
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"lowmem::{op}", "CPU"), op
+
+
+def test_a_triton_kernel_that_takes_other_arguments_than_its_declaration_is_refused():
+    triton_ops = pytest.importorskip("lightning_lowmem.kernels.triton_ops")
+    for name in library.DECLARED.keys() & vars(triton_ops).keys():  # registered as they are: same arguments
+        library._fp64_by_reference(getattr(triton_ops, name), library.DECLARED[name])
+
+    def act_codes(x, thresholds, bits):  # one argument too many
+        return x
+
+    with pytest.raises(TypeError, match=r"act_codes must take the arguments of its declaration, \('x', 'thresholds'\)"):
+        library._fp64_by_reference(act_codes, library.DECLARED["act_codes"])
+
+
+def test_a_float64_call_to_a_triton_operator_runs_the_reference():
+    calls = []
+    kernel = library._fp64_by_reference(lambda x, thresholds: calls.append(x.dtype), library.DECLARED["act_codes"])
+    x = torch.randn(8, dtype=torch.float64)
+    assert torch.equal(kernel(x, [0.0]), torch_ops.act_codes(x, [0.0])) and not calls
+    kernel(x.float(), [0.0])
+    assert calls == [torch.float32]
 
 
 def test_the_kernels_know_the_activations_the_registry_gives_kernel_ids():

@@ -1,7 +1,7 @@
 """Kernel backends behind the low-memory ops, and which one runs.
 
-Four implementations share one contract (see :mod:`.contract`): ``"torch"`` (pure PyTorch,
-always available), ``"cpp"`` (compiled CPU kernels), ``"cuda"`` (compiled GPU kernels), both
+Four implementations compute the ops declared in :mod:`.torch_ops`: ``"torch"`` (the declarations' references,
+pure PyTorch, always available), ``"cpp"`` (compiled CPU kernels), ``"cuda"`` (compiled GPU kernels), both
 JIT-built from ``csrc/`` on first use (see :mod:`.build`) and run as the ``torch.ops.lowmem``
 operators (see :mod:`.library`), and ``"triton"`` (GPU kernels that Triton, shipped with torch,
 compiles at run time: no CUDA toolkit needed, see :mod:`.triton_ops`).
@@ -130,7 +130,7 @@ def _chosen(device_name: str) -> str:
 
 
 _IMPLEMENTATIONS: dict[str, Any] = {"torch": torch_ops, "cpp": library.OPS, "cuda": library.OPS}
-"""What implements the contract for each backend: the Triton operators are added when Triton is first usable, so
+"""What implements the declared ops for each backend: the Triton operators are added when Triton is first usable, so
 that :func:`implementation` is a lookup a trace reads, never an import it would trace."""
 
 
@@ -165,7 +165,7 @@ def _triton_operators(device: torch.device) -> Any | None:
 
 
 def implementation(device: torch.device) -> Any:
-    """What implements the kernel contract for tensors on ``device``: the ``torch.ops.lowmem`` operators for the
+    """What implements the declared ops for tensors on ``device``: the ``torch.ops.lowmem`` operators for the
     compiled C++/CUDA kernels, ``torch.ops.lowmem_triton`` for Triton's, else the pure-PyTorch module."""
     return _IMPLEMENTATIONS[_chosen(_device_name(device))]
 

@@ -58,7 +58,7 @@ def _recorded_launches() -> list[tuple[Any, tuple, dict]]:
 
 
 def launch_every_choice(ops: Any, device: torch.device | str = "cpu") -> None:
-    """Call every launcher of the contract on ``ops`` (:mod:`.triton_ops`, or any backend's functions) with inputs
+    """Call every launcher of the declared ops on ``ops`` (:mod:`.triton_ops`, or any backend's functions) with inputs
     on ``device`` spanning each choice the Triton launchers make: every dtype, bits, kind and flag, every row block
     and warp count of :func:`~.triton_ops.norm_settings` and :func:`~.triton_ops.cross_entropy_settings`."""
     from lightning_lowmem.kernels import torch_ops, triton_ops

@@ -1,10 +1,12 @@
-"""Triton implementation of the kernel contract (:mod:`.contract`): the GPU path without nvcc.
+"""Triton kernels of the declared ops (:mod:`.torch_ops`): the GPU path without nvcc.
 
 Triton ships with torch on Linux and compiles for the GPU at run time, so a pip-installed torch
 runs these kernels where the CUDA C++ extension cannot be built. With ``TRITON_INTERPRET=1`` in
 the environment when this module is first imported (Triton reads it when kernels are defined)
-the same kernels run on CPU tensors in Triton's interpreter: that is how CI tests them. fp64
-tensors take the pure-PyTorch path (training runs in fp32, bf16 and fp16).
+the same kernels run on CPU tensors in Triton's interpreter: that is how CI tests them. Each function here
+takes its declaration's arguments and is registered as its operator by
+:func:`~lightning_lowmem.kernels.library.triton_operators`, which gives fp64 calls and the ops without a Triton
+kernel (a frozen norm's output, CPU-only) to the reference (training runs in fp32, bf16 and fp16).
 """
 
 from __future__ import annotations
@@ -439,8 +441,6 @@ def _table(values: tuple[float, ...], size: int, pad: float, device: torch.devic
 
 
 def act_codes(x: torch.Tensor, thresholds: tuple[float, ...]) -> torch.Tensor:
-    if x.dtype == torch.float64:
-        return torch_ops.act_codes(x, thresholds)
     _check_float("act_codes", "x", x)
     bits = torch_ops.storage_bits(len(thresholds))
     if list(thresholds) != sorted(thresholds):
@@ -463,8 +463,6 @@ def act_forward(x: torch.Tensor, kind: str, thresholds: tuple[float, ...]) -> tu
 
 
 def act_backward(grad: torch.Tensor, packed: torch.Tensor, levels: tuple[float, ...]) -> torch.Tensor:
-    if grad.dtype == torch.float64:
-        return torch_ops.act_backward(grad, packed, levels)
     _check_float("act_backward", "grad", grad)
     if packed.dtype != torch.uint8:
         raise TypeError(f"act_backward: packed codes must be uint8, got {packed.dtype}")
@@ -510,8 +508,6 @@ def cross_entropy_settings(vocab: int, dtype: torch.dtype = torch.float32) -> tu
 def norm_forward(
     x: torch.Tensor, dim: int, eps: float, center: bool, out_dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    if x.dtype == torch.float64:
-        return torch_ops.norm_forward(x, dim, eps, center, out_dtype)
     _, z, rstd = _norm_forward(x, dim, eps, center, out_dtype, None, None)
     return z, rstd
 
@@ -526,8 +522,6 @@ def norm_affine_forward(
     shift: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     torch_ops.check_affine("norm_affine_forward", dim, x.dtype, scale, shift)
-    if x.dtype == torch.float64:
-        return torch_ops.norm_affine_forward(x, dim, eps, center, out_dtype, scale, shift)
     return _norm_forward(x, dim, eps, center, out_dtype, scale, shift)
 
 
@@ -560,11 +554,6 @@ def _norm_forward(
     return y, z, rstd
 
 
-# the ops layer saves a frozen norm's output only on CPU (ops.norm): there Triton runs only interpreted, in tests
-norm_exact_columns, norm_output_forward = torch_ops.norm_exact_columns, torch_ops.norm_output_forward
-norm_output_backward = torch_ops.norm_output_backward
-
-
 def norm_backward(
     grad: torch.Tensor,
     z: torch.Tensor,
@@ -576,8 +565,6 @@ def norm_backward(
     column_sums: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The column sums (gamma / beta gradients): partial sums per chunk of rows, then a torch sum over the chunks."""
-    if z.dtype == torch.float64:
-        return torch_ops.norm_backward(grad, z, rstd, scale, dim, center, dtype, column_sums)
     _check_float("norm_backward", "grad", grad)
     _check_float("norm_backward", "z", z)
     if grad.shape != z.shape:
@@ -615,8 +602,6 @@ def norm_backward(
 
 def gated_exceptions(act: torch.Tensor, up: torch.Tensor, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
     torch_ops.check_gated_exceptions(act, up, slots)
-    if act.dtype == torch.float64:
-        return torch_ops.gated_exceptions(act, up, slots)
     _check_float("gated_exceptions", "act", act)
     rows, cols = torch_ops.rows_and_columns(act)
     columns = torch.empty((rows, slots), dtype=torch.int32, device=act.device)
@@ -646,8 +631,6 @@ def gated_backward(
     up_at: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     torch_ops.check_gated(grad, gate, second, kind, act, columns, up_at)
-    if grad.dtype == torch.float64:
-        return torch_ops.gated_backward(grad, gate, second, kind, act, columns, up_at)
     _check_float("gated_backward", "grad", grad)
     grad, gate = grad.contiguous(), gate.contiguous()
     grad_gate, grad_up = torch.empty_like(grad), torch.empty_like(grad)
@@ -668,8 +651,6 @@ def gated_backward(
 
 def dropout(x: torch.Tensor, p: float, seed: torch.Tensor) -> torch.Tensor:
     torch_ops.check_dropout(x, p, seed)
-    if x.dtype == torch.float64:
-        return torch_ops.dropout(x, p, seed)
     _check_float("dropout", "x", x)
     x = x.contiguous()
     out = torch.empty_like(x)
@@ -699,8 +680,6 @@ def dropout_input_and_grad(
     p: float,
     seed: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    if dtype == torch.float64:
-        return torch_ops.dropout_input_and_grad(x, scale, shift, dtype, grad, p, seed)
     torch_ops.check_dropout(grad, p, seed)
     _check_float("dropout_input_and_grad", "x", x)
     _check_float("dropout_input_and_grad", "grad", grad)
@@ -738,8 +717,6 @@ def affine_weight_grad(
     dtype: torch.dtype,
 ) -> torch.Tensor:
     torch_ops.check_affine_weight_grad(product, total, scale, shift, dtype)
-    if dtype == torch.float64 or product.dtype == torch.float64:
-        return torch_ops.affine_weight_grad(product, total, scale, shift, dtype)
     _check_float("affine_weight_grad", "product", product)
     product = product.contiguous()
     out = torch.empty(product.shape, dtype=dtype, device=product.device)

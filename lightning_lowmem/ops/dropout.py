@@ -2,7 +2,7 @@
 
 Stock dropout keeps its mask for backward (a bool per element on CUDA, an fp32 noise tensor on CPU). Here the
 forward draws a seed from the device's default generator, the kernels draw the mask from it with a
-counter-based generator (Philox, :meth:`~lightning_lowmem.kernels.contract.KernelContract.dropout`), and the
+counter-based generator (Philox, :func:`~lightning_lowmem.kernels.torch_ops.dropout`), and the
 backward applies the same mask to the gradient from the seed alone. Where a compiled extension serves the device
 the seed is drawn in C++ (``lowmem::seeded_dropout``, ``lowmem::affine_linear``): a key from the CPU's generator,
 kept as two integers, or a GPU's key and counters from its Philox state, as ATen's dropout takes them (no operator
