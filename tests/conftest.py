@@ -17,6 +17,8 @@ from typing import Any, NamedTuple
 from benchmarks.forced_capability import emulate
 
 emulate()
+if os.environ.get("PYTEST_XDIST_WORKER"):  # `pytest -n 2`: a worker per core, each (and what it starts) one thread
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from typing import Self
 
