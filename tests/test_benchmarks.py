@@ -25,6 +25,7 @@ SMOKE = {
     "long_context.py": ["--smoke"],
     "long_context.py --timing": ["--timing", "--smoke"],
     "launches.py": ["--smoke"],
+    "log_probs.py": ["--smoke"],
 }
 
 

@@ -85,6 +85,16 @@ def op_samples(dtype: torch.dtype) -> dict[str, list[tuple]]:
             (torch.randn(6, 40), torch.tensor([1, 2, 3, 39, 0, 5]), -100, 0.1, 30.0),
             (torch.randn(6, 40).bfloat16(), torch.tensor([1, 2, -100, 39, 0, 5]), -100, 0.0, 30.0, torch.rand(6)),
         ],
+        "token_log_probs": [
+            (torch.randn(6, 40), torch.tensor([1, 2, -100, 39, 0, 5]), -100, 1.0),
+            (torch.randn(6, 40).bfloat16(), torch.tensor([1, 2, 3, 39, 0, 5]), -100, 0.7),
+        ],
+        "token_log_probs_grad_": [
+            (logits, target, lse, entropy, torch.randn(6), torch.randn(6) if with_entropy else None, -100, 0.7)
+            for logits, target in [(torch.randn(6, 40), torch.tensor([1, 2, -100, 39, 0, 5]))]
+            for _, entropy, lse in [torch_ops.token_log_probs(logits, target, -100, 0.7)]
+            for with_entropy in (True, False)
+        ],
         **autograd_samples(x),
     }
 

@@ -550,15 +550,8 @@ def check_cross_entropy(
     row_scale: torch.Tensor | None = None,
     host: bool = True,
 ) -> None:
-    """Clear errors for bad arguments. A target out of bounds: an ``IndexError`` naming it where ``host`` (reading
-    the targets is free), else a device-side assert, as stock's cross-entropy has on a GPU (no synchronisation)."""
-    if logits.dim() != 2 or logits.dtype not in CROSS_ENTROPY_DTYPES or not logits.is_contiguous():
-        raise ValueError(
-            "cross_entropy_grad_: logits must be contiguous float32, bfloat16 or float16 rows, got "
-            f"{tuple(logits.shape)} {logits.dtype}"
-        )
-    if target.dtype != torch.int64 or target.shape != logits.shape[:1] or target.device != logits.device:
-        raise ValueError(f"cross_entropy_grad_: target must be {logits.shape[0]} int64 values on {logits.device}")
+    """Clear errors for bad arguments (a target out of bounds: :func:`check_targets`)."""
+    check_logit_rows("cross_entropy_grad_", logits, target)
     if row_scale is not None and (
         row_scale.dtype != torch.float32 or row_scale.shape != logits.shape[:1] or row_scale.device != logits.device
     ):
@@ -567,17 +560,29 @@ def check_cross_entropy(
         raise ValueError(
             f"cross_entropy_grad_: label_smoothing must be in [0, 1] and softcap >= 0, got {label_smoothing}, {softcap}"
         )
+    check_targets("cross_entropy_grad_", logits, target, ignore_index, host)
+
+
+def check_logit_rows(op: str, logits: torch.Tensor, target: torch.Tensor) -> None:
+    """Contiguous rows of logits of a dtype the heads take, and an int64 target per row on their device."""
+    if logits.dim() != 2 or logits.dtype not in CROSS_ENTROPY_DTYPES or not logits.is_contiguous():
+        raise ValueError(
+            f"{op}: logits must be contiguous float32, bfloat16 or float16 rows, got {tuple(logits.shape)} {logits.dtype}"
+        )
+    if target.dtype != torch.int64 or target.shape != logits.shape[:1] or target.device != logits.device:
+        raise ValueError(f"{op}: target must be {logits.shape[0]} int64 values on {logits.device}")
+
+
+def check_targets(op: str, logits: torch.Tensor, target: torch.Tensor, ignore_index: int, host: bool) -> None:
+    """Every target not ignored is a class of ``logits``: an ``IndexError`` naming one where ``host`` (reading the
+    targets is free), else a device-side assert, as stock's cross-entropy has on a GPU (no synchronisation)."""
     if not logits.shape[1]:
         return
     outside = (target != ignore_index) & ((target < 0) | (target >= logits.shape[1]))
     if not host:
-        torch._assert_async(
-            ~outside.any(), f"cross_entropy_grad_: a target is out of bounds for {logits.shape[1]} classes"
-        )
+        torch._assert_async(~outside.any(), f"{op}: a target is out of bounds for {logits.shape[1]} classes")
     elif outside.any():
-        raise IndexError(
-            f"cross_entropy_grad_: target {target[outside][0].item()} is out of bounds for {logits.shape[1]} classes"
-        )
+        raise IndexError(f"{op}: target {target[outside][0].item()} is out of bounds for {logits.shape[1]} classes")
 
 
 def _cross_entropy_grad_fake(logits: torch.Tensor, target: torch.Tensor, *args: object) -> torch.Tensor:
@@ -619,3 +624,79 @@ def cross_entropy_grad_(
         grad.mul_(row_scale.unsqueeze(1))
     logits.copy_(grad)
     return loss.masked_fill(ignored, 0.0)
+
+
+
+def _scaled_rows(
+    op: str, logits: torch.Tensor, target: torch.Tensor, ignore_index: int, temperature: float
+) -> torch.Tensor:
+    """``logits / temperature`` in fp32, after the checks the log-prob ops share."""
+    check_logit_rows(op, logits, target)
+    if not temperature > 0:
+        raise ValueError(f"{op}: temperature must be positive, got {temperature}")
+    check_targets(op, logits, target, ignore_index, host=logits.is_cpu)
+    return logits.float() / temperature
+
+
+def _token_log_probs_fake(logits: torch.Tensor, *args: object) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    rows = logits.new_empty(logits.shape[0], dtype=torch.float32)  # the reference reads the targets
+    return rows, torch.empty_like(rows), torch.empty_like(rows)
+
+
+@declare(fake=_token_log_probs_fake)
+def token_log_probs(
+    logits: torch.Tensor, target: torch.Tensor, ignore_index: int, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(log_prob, entropy, lse)``, one fp32 value per row of ``logits`` (rows x vocabulary, fp32, bf16 or fp16,
+    contiguous) scaled to ``s = logits / temperature``: the log-probability ``s[target] - lse`` of the row's target
+    (int64 per row), the entropy ``-sum(p * log p)`` of ``p = softmax(s)``, and ``lse = logsumexp(s)``, in fp32
+    whatever the logits' dtype. A row whose target is ``ignore_index`` gives 0 for both (its ``lse`` is still
+    computed). One chunk of a fused linear + log-probs head (:func:`lightning_lowmem.ops.linear_log_probs`): what
+    its backward needs of a row (``lse``, the entropy), and not its logits."""
+    rows = _scaled_rows("token_log_probs", logits, target, ignore_index, temperature)
+    lse = torch.logsumexp(rows, dim=1)
+    log_p = rows.sub_(lse.unsqueeze(1))
+    ignored = target == ignore_index
+    picked = log_p.gather(1, target.masked_fill(ignored, 0).unsqueeze(1)).squeeze(1)
+    entropy = -(log_p.exp() * log_p).sum(1)
+    return picked.masked_fill(ignored, 0.0), entropy.masked_fill(ignored, 0.0), lse
+
+
+def _token_log_probs_grad_fake(*args: object) -> None:
+    return None  # the reference reads the targets
+
+
+@declare(fake=_token_log_probs_grad_fake, mutates=("logits",))
+def token_log_probs_grad_(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    lse: torch.Tensor,
+    entropy: torch.Tensor,
+    grad_log_prob: torch.Tensor,
+    grad_entropy: torch.Tensor | None,
+    ignore_index: int,
+    temperature: float,
+) -> None:
+    """Overwrite ``logits`` (a chunk, as :func:`token_log_probs` read it) with the gradient, with respect to them, of
+    ``sum(grad_log_prob * log_prob + grad_entropy * entropy)`` over the rows (``lse``, ``entropy``: that call's; the
+    gradients: fp32, one per row; ``grad_entropy`` None for 0), rounded once to their dtype: with ``s = logits /
+    temperature`` and ``p = softmax(s)``, ``(grad_log_prob * (onehot(target) - p) - grad_entropy * p * (s - lse +
+    entropy)) / temperature``, 0 on ignored rows. A chunk's backward never holds its logits and their gradient at
+    once."""
+    rows = _scaled_rows("token_log_probs_grad_", logits, target, ignore_index, temperature)
+    per_row = {"lse": lse, "entropy": entropy, "grad_log_prob": grad_log_prob, "grad_entropy": grad_entropy}
+    for name, values in per_row.items():
+        if values is not None and (values.dtype != torch.float32 or values.shape != target.shape):
+            raise ValueError(
+                f"token_log_probs_grad_: {name} must be {len(target)} float32 values, got {tuple(values.shape)} "
+                f"{values.dtype}"
+            )
+    ignored = target == ignore_index
+    log_p = rows.sub_(lse.unsqueeze(1))
+    p = log_p.exp()
+    grad = p * -grad_log_prob.unsqueeze(1)
+    grad.scatter_add_(1, target.masked_fill(ignored, 0).unsqueeze(1), grad_log_prob.unsqueeze(1))
+    if grad_entropy is not None:
+        grad.sub_(p.mul_(log_p.add_(entropy.unsqueeze(1))).mul_(grad_entropy.unsqueeze(1)))
+    grad.masked_fill_(ignored.unsqueeze(1), 0.0)
+    logits.copy_(grad.div_(temperature))

@@ -5,12 +5,14 @@ from lightning_lowmem.ops.affine import affine_linear
 from lightning_lowmem.ops.cross_entropy import linear_cross_entropy
 from lightning_lowmem.ops.dropout import seeded_dropout
 from lightning_lowmem.ops.gated import gated_activation
+from lightning_lowmem.ops.log_probs import linear_log_probs
 from lightning_lowmem.ops.norm import ms_layer_norm, ms_rms_norm
 
 __all__ = [
     "affine_linear",
     "gated_activation",
     "linear_cross_entropy",
+    "linear_log_probs",
     "ms_layer_norm",
     "ms_rms_norm",
     "regelu2",

@@ -42,7 +42,7 @@ def chunk_rows(vocab: int, features: int, itemsize: int = 4) -> int:
     return max(8, max(CHUNK_BYTES // itemsize, vocab * features) // max(vocab, 1))
 
 
-class _Chunks:
+class HeadChunks:
     """The head's terms ``(input, weight)`` (the hidden states and the head's weight, then a LoRA adapter's scaled
     ``lora_A`` output and ``lora_B`` weight) in the compute dtype (autocast's, else the promoted one, as
     ``F.linear`` would run), cast once, and what each chunk of rows needs: its logits ``sum(input @ weight.T) +
@@ -207,7 +207,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         terms = list(zip(operands[::2], operands[1::2]))
         # per-row upstream gradients reach a weight only through each row: then the backward recomputes
         in_forward = reduction != "none" or not any(needs[1::2])
-        chunks = _Chunks(terms, bias, needs if in_forward else (False,) * len(needs), accum_dtype)
+        chunks = HeadChunks(terms, bias, needs if in_forward else (False,) * len(needs), accum_dtype)
         impl = kernels.cross_entropy_implementation(target.device)
         kept = (target != loss.ignore_index).sum()
         weights = loss.row_weights(target).sum() if loss.class_weight is not None else kept
@@ -247,7 +247,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         upstream = upstream.float()
         if not in_forward:  # reduction "none" with a trainable weight or bias: each chunk again, scaled by row
             target, bias, *operands = ctx.saved_tensors
-            chunks = _Chunks(list(zip(operands[::2], operands[1::2])), bias, _needs(ctx))
+            chunks = HeadChunks(list(zip(operands[::2], operands[1::2])), bias, _needs(ctx))
             impl = kernels.cross_entropy_implementation(target.device)
             for part in chunks:
                 logits = chunks.logits(part)

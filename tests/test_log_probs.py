@@ -1,0 +1,155 @@
+"""linear_log_probs: stock's per-token log-probs and entropies, and their gradients, without the logits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lightning_lowmem import kernels
+from lightning_lowmem.functional import linear_log_probs
+from lightning_lowmem.kernels import torch_ops
+from lightning_lowmem.ops import cross_entropy
+
+VOCAB, FEATURES = 96, 24
+
+
+def stock(hidden, weight, target, bias=None, temperature=1.0, ignore_index=-100):
+    """What TRL computes: the log-softmax of the fp32 logits, gathered; the entropy of the same distribution."""
+    log_p = F.log_softmax(F.linear(hidden, weight, bias).float() / temperature, dim=-1)
+    kept = target != ignore_index
+    picked = log_p.gather(-1, target.masked_fill(~kept, 0).unsqueeze(-1)).squeeze(-1)
+    entropy = -(log_p.exp() * log_p).sum(-1)
+    return picked * kept, entropy * kept
+
+
+def inputs(dtype=torch.float32, rows=3, tokens=10, bias=True):
+    hidden = torch.randn(rows, tokens, FEATURES, dtype=dtype, requires_grad=True)
+    weight = (torch.randn(VOCAB, FEATURES) / FEATURES**0.5).to(dtype).requires_grad_()
+    b = torch.randn(VOCAB, dtype=dtype, requires_grad=True) if bias else None
+    target = torch.randint(0, VOCAB, (rows, tokens))
+    target[0, :4] = -100  # a prompt
+    return hidden, weight, target, b
+
+
+def value_and_grads(fn, tensors, upstream):
+    log_probs, entropy = fn()
+    (log_probs * upstream[0] + entropy * upstream[1]).sum().backward()
+    grads = [t.grad.clone() for t in tensors]
+    for t in tensors:
+        t.grad = None
+    return (log_probs.detach(), entropy.detach()), grads
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
+@pytest.mark.parametrize("chunk", [None, 7], ids=["one_chunk", "chunks_of_7"])
+def test_log_probs_entropies_and_gradients_are_stocks(temperature, bias, chunk, monkeypatch):
+    """fp32: values to fp32 rounding, gradients of a loss on both outputs within 4x stock's own error from fp64."""
+    if chunk:
+        monkeypatch.setattr(cross_entropy, "chunk_rows", lambda *args: chunk)
+    hidden, weight, target, b = inputs(bias=bias)
+    tensors = [t for t in (hidden, weight, b) if t is not None]
+    upstream = torch.randn(2, *target.shape)
+    ours, grads = value_and_grads(
+        lambda: linear_log_probs(hidden, weight, target, b, temperature=temperature, return_entropy=True),
+        tensors, upstream,
+    )  # fmt: skip
+    theirs, stock_grads = value_and_grads(lambda: stock(hidden, weight, target, b, temperature), tensors, upstream)
+    exact = [t.detach().double().requires_grad_() for t in tensors]
+    as_fp64 = (*exact[:2], target, exact[2] if bias else None)
+    _, fp64_grads = value_and_grads(lambda: stock(*as_fp64, temperature), exact, upstream.double())
+    for a, s in zip(ours, theirs):
+        torch.testing.assert_close(a, s, rtol=1e-5, atol=1e-5)
+    for g, s, e in zip(grads, stock_grads, fp64_grads):
+        assert (g.double() - e).abs().max() <= 4 * (s.double() - e).abs().max() + 1e-7
+
+
+def test_masked_tokens_give_zero_and_no_gradient():
+    hidden, weight, target, _ = inputs()
+    log_probs, entropy = linear_log_probs(hidden, weight, target, return_entropy=True)
+    ignored = target == -100
+    assert (log_probs[ignored] == 0).all() and (entropy[ignored] == 0).all() and (log_probs[~ignored] < 0).all()
+    (log_probs.sum() + entropy.sum()).backward()
+    assert (hidden.grad[ignored] == 0).all() and (hidden.grad[~ignored] != 0).any()
+
+
+def test_bf16_follows_stocks_bf16_logits():
+    """bf16 hidden states and weight: the logits rounded to bf16 as stock's are before their ``.float()``."""
+    hidden, weight, target, b = inputs(torch.bfloat16)
+    ours = linear_log_probs(hidden, weight, target, b, return_entropy=True)
+    for a, s in zip(ours, stock(hidden, weight, target, b)):
+        torch.testing.assert_close(a, s, rtol=1e-5, atol=1e-5)
+    ours[0].sum().backward()
+    assert hidden.grad.dtype == weight.grad.dtype == torch.bfloat16
+
+
+def test_no_row_by_vocabulary_tensor_is_saved(recorder):
+    """Saved for backward: the hidden states (which the stock linear saves too), the targets and fp32 values per row;
+    stock saves the logits' log-softmax (rows x vocabulary)."""
+    hidden, weight, target, b = inputs(rows=4, tokens=32)
+    rows = target.numel()
+    with recorder() as ours:
+        linear_log_probs(hidden, weight, target, b, return_entropy=True)
+    with recorder() as theirs:
+        stock(hidden, weight, target, b)
+    assert max(t.numel() for t in ours.saved) <= max(rows * FEATURES, VOCAB * FEATURES) < rows * VOCAB
+    assert max(t.numel() for t in theirs.saved) >= rows * VOCAB
+
+
+def test_only_the_log_probs_or_only_the_entropy_train():
+    hidden, weight, target, _ = inputs(bias=False)
+    log_probs, entropy = linear_log_probs(hidden, weight, target, return_entropy=True)
+    (entropy.sum() * 0 + log_probs.sum()).backward()
+    grad = hidden.grad.clone()
+    hidden.grad = None
+    stock(hidden, weight, target)[0].sum().backward()
+    torch.testing.assert_close(grad, hidden.grad, rtol=1e-5, atol=1e-6)
+    hidden.grad = None
+    linear_log_probs(hidden, weight, target, return_entropy=True)[1].sum().backward()  # the entropy alone
+    ours = hidden.grad.clone()
+    hidden.grad = None
+    stock(hidden, weight, target)[1].sum().backward()
+    torch.testing.assert_close(ours, hidden.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_every_backend_computes_the_reference(kernel_backend):
+    """The ops as each compiled backend runs them (where it has no kernel of its own: the reference, by the
+    dispatcher): the same values and gradient chunks."""
+    logits = torch.randn(6, 40, device=kernel_backend.device)
+    target = torch.tensor([1, 2, -100, 39, 0, 5], device=kernel_backend.device)
+    found = kernel_backend.module.token_log_probs(logits, target, -100, 0.7)
+    for a, s in zip(found, torch_ops.token_log_probs(logits, target, -100, 0.7)):
+        torch.testing.assert_close(a, s)
+    grads = [logits.clone(), logits.clone()]
+    per_row = (found[2], found[1], torch.randn(6, device=logits.device), torch.randn(6, device=logits.device))
+    kernel_backend.module.token_log_probs_grad_(grads[0], target, *per_row, -100, 0.7)
+    torch_ops.token_log_probs_grad_(grads[1], target, *per_row, -100, 0.7)
+    torch.testing.assert_close(grads[0], grads[1])
+
+
+def test_bad_input_gets_a_clear_error():
+    hidden, weight, target, _ = inputs()
+    with pytest.raises(ValueError, match="temperature must be positive"):
+        linear_log_probs(hidden, weight, target, temperature=0.0)
+    with pytest.raises(ValueError, match="target must be int64 of shape"):
+        linear_log_probs(hidden, weight, target.int())
+    with pytest.raises(ValueError, match="do not match"):
+        linear_log_probs(hidden, weight.t(), target)
+    with pytest.raises(IndexError, match=f"token_log_probs: target {VOCAB} is out of bounds for {VOCAB} classes"):
+        linear_log_probs(hidden, weight, target.masked_fill(target == target[1, 0], VOCAB))
+    with pytest.raises(TypeError, match="unsupported dtype"):
+        linear_log_probs(hidden.int(), weight, target)
+    log_probs = linear_log_probs(hidden, weight, target)
+    with pytest.raises(RuntimeError, match="linear_log_probs does not support double backward"):
+        torch.autograd.grad(log_probs.sum(), hidden, create_graph=True)
+    with pytest.raises(ValueError, match="token_log_probs: logits must be contiguous"):
+        torch_ops.token_log_probs(torch.randn(40, 6).t(), target[0, :6], -100, 1.0)
+
+
+def test_compiles_whole():
+    hidden, weight, target, b = inputs()
+    torch._dynamo.reset()
+    compiled = torch.compile(linear_log_probs, backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(compiled(hidden, weight, target, b), linear_log_probs(hidden, weight, target, b))
+    assert kernels.backend("cpu") in kernels.BACKENDS
