@@ -7,6 +7,8 @@ GRPO loss of one iteration (``-exp(logp - logp.detach()) * advantage``, averaged
 - **stock**: what TRL's ``GRPOTrainer._get_per_token_logps_and_entropies`` runs: the model's logits of the kept
   positions (``logits_to_keep``), divided by the temperature, ``trl.trainer.utils.selective_log_softmax`` and,
   without gradient, ``entropy_from_logits``;
+- **TRL's fused head**: what the trainers of TRL 1.16 run instead (``trl.trainer.utils.add_fused_lm_head``, then
+  ``model(..., labels=labels, fused_lm_head=True)``: log-probs and entropies by chunks, no logits);
 - **linear_log_probs**: the same body, then :func:`lightning_lowmem.functional.linear_log_probs` on its last
   hidden states with the head's weight (log-probs and entropies, no logits).
 
@@ -57,10 +59,14 @@ def grpo_loss(logps: torch.Tensor, advantages: torch.Tensor) -> torch.Tensor:
 
 
 def step(variant: str, tokens: int, smoke: bool) -> dict[str, float]:
-    from trl.trainer.utils import entropy_from_logits, selective_log_softmax
+    from trl.trainer.utils import add_fused_lm_head, entropy_from_logits, selective_log_softmax
 
     model, ids, advantages = model_and_batch(tokens, smoke)
     completion = ids[:, -tokens:]
+    if variant == "trl_fused":
+        add_fused_lm_head(model, temperature=TEMPERATURE, outputs=("log_probs", "entropy"))
+    labels = ids.clone()
+    labels[:, :-tokens] = -100  # only the completion is scored, as GRPO masks it
 
     def run() -> tuple[float, float, float]:
         if variant == "stock":
@@ -68,6 +74,9 @@ def step(variant: str, tokens: int, smoke: bool) -> dict[str, float]:
             logps = selective_log_softmax(logits, completion)
             with torch.no_grad():
                 entropy = entropy_from_logits(logits)
+        elif variant == "trl_fused":
+            outputs = model(input_ids=ids, labels=labels, fused_lm_head=True)
+            logps, entropy = outputs.log_probs[:, -tokens:], outputs.entropy[:, -tokens:]
         else:
             hidden = model.model(input_ids=ids).last_hidden_state[:, -tokens - 1 : -1]
             logps, entropy = linear_log_probs(
@@ -93,7 +102,7 @@ def main() -> None:
         return
     worker = [sys.executable, str(Path(__file__).resolve()), "--tokens", str(tokens), "--variant"]
     found = {}
-    for variant in ("stock", "linear_log_probs"):
+    for variant in ("stock", "trl_fused", "linear_log_probs"):
         run = subprocess.run([*worker, variant, *(["--smoke"] if args.smoke else [])], capture_output=True, text=True)
         if run.returncode:
             raise RuntimeError(f"{variant}: {run.stderr[-2000:]}")
@@ -113,8 +122,9 @@ def main() -> None:
         "## Per-token log-probs for preference and RL fine-tuning (one GRPO step)\n\n"
         f"A Qwen2.5-7B layer and head (real dims, bf16), {COMPLETIONS} completions x {tokens} tokens after a "
         f"{PROMPT}-token prompt, temperature {TEMPERATURE}: TRL's own log-prob path (bf16 logits of the kept "
-        f"positions, {logits_mib:,.0f} MiB, `selective_log_softmax`, `entropy_from_logits`) against "
-        "`linear_log_probs` on the same hidden states; allocation peak of forward, GRPO loss and backward, each in a "
+        f"positions, {logits_mib:,.0f} MiB, `selective_log_softmax`, `entropy_from_logits`), TRL 1.16's fused LM "
+        "head (`add_fused_lm_head`, which its DPO, KTO, GRPO, RLOO trainers install) and `linear_log_probs` on the "
+        "same hidden states; allocation peak of forward, GRPO loss and backward, each in a "
         "fresh process. Liger Kernel's fused GRPO loss is Triton on CUDA only: not measured on this machine.\n\n"
         + table
     )
