@@ -132,7 +132,11 @@ def triton_operators(triton_ops: ModuleType) -> Any:
         for name, declared in DECLARED.items():
             library.define(name + declared.schema)
             kernel = getattr(triton_ops, name, None)
-            library.impl(name, declared.reference if kernel is None else _fp64_by_reference(kernel, declared), "CompositeExplicitAutograd")
+            library.impl(
+                name,
+                declared.reference if kernel is None else _fp64_by_reference(kernel, declared),
+                "CompositeExplicitAutograd",
+            )
             torch.library.register_fake(f"{TRITON_NAMESPACE}::{name}", declared.fake, lib=library)
         _TRITON_LIBRARY.append(library)
     return getattr(torch.ops, TRITON_NAMESPACE)

@@ -93,8 +93,8 @@ def unpack_codes(packed: torch.Tensor, numel: int, bits: int = 2) -> torch.Tenso
 @declare()
 def act_codes(x: torch.Tensor, thresholds: Sequence[float]) -> torch.Tensor:
     """The uint8 buffer of ``ceil(numel*k/8)`` bytes holding ``code = sum(x > t_i)`` for every element in
-        row-major order, thresholds compared in the accumulate dtype. The activation itself is no kernel's
-        business: the op computes it with the stock PyTorch function, so any activation works with the codes."""
+    row-major order, thresholds compared in the accumulate dtype. The activation itself is no kernel's
+    business: the op computes it with the stock PyTorch function, so any activation works with the codes."""
     bits = storage_bits(len(thresholds))
     xa = x.reshape(-1).to(accumulate_dtype(x.dtype))
     codes = torch.zeros(xa.shape, dtype=torch.uint8, device=x.device)
@@ -106,14 +106,14 @@ def act_codes(x: torch.Tensor, thresholds: Sequence[float]) -> torch.Tensor:
 @declare()
 def act_forward(x: torch.Tensor, kind: str, thresholds: Sequence[float]) -> tuple[torch.Tensor, torch.Tensor]:
     """``(y, packed)`` for a contiguous ``x``: ``y`` is the stock activation ``kind`` bit for bit and
-        ``packed`` is ``act_codes(x, thresholds)``; a backend may compute both in one pass."""
+    ``packed`` is ``act_codes(x, thresholds)``; a backend may compute both in one pass."""
     return stock_activation(x, kind).contiguous(), act_codes(x, thresholds)
 
 
 @declare()
 def act_backward(grad: torch.Tensor, packed: torch.Tensor, levels: Sequence[float]) -> torch.Tensor:
     """``grad * levels[code]`` in the accumulate dtype, returned in ``grad``'s dtype and shape;
-        ``len(levels)`` is ``len(thresholds) + 1``, which fixes the storage bits."""
+    ``len(levels)`` is ``len(thresholds) + 1``, which fixes the storage bits."""
     bits = level_bits(len(levels))
     if packed.numel() != packed_bytes(grad.numel(), bits):
         raise ValueError(f"act_backward: {packed.numel()} packed bytes do not hold {grad.numel()} codes of {bits} bits")
@@ -157,7 +157,12 @@ def check_gated(
         raise ValueError("gated_backward: columns and up_at come together, and with act (gated_exceptions' output)")
     if columns is not None:
         rows, _ = rows_and_columns(grad)
-        if columns.dtype != torch.int32 or columns.dim() != 2 or columns.shape[0] != rows or up_at.shape != columns.shape:
+        if (
+            columns.dtype != torch.int32
+            or columns.dim() != 2
+            or columns.shape[0] != rows
+            or up_at.shape != columns.shape
+        ):
             raise ValueError(
                 f"gated_backward: expected int32 columns and up_at of one shape ({rows}, slots), got "
                 f"{tuple(columns.shape)} {columns.dtype} and {tuple(up_at.shape)} {up_at.dtype}"
@@ -184,10 +189,10 @@ def check_gated_exceptions(act: torch.Tensor, up: torch.Tensor, slots: int) -> N
 @declare()
 def gated_exceptions(act: torch.Tensor, up: torch.Tensor, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(columns, up_at)`` where ``act == 0`` (``act`` the forward's ``act(gate)``, ``up`` its other factor: one
-        shape and dtype): there ``h = act * up`` holds nothing of ``up``. Per row (the last dimension), the first
-        ``slots`` such columns in ascending order (int32, ``-1`` in the slots past the row's last) and ``up`` at them
-        (``up``'s dtype, 0 past the last), each of shape ``(rows, slots)``. A fixed size: nothing read back to the
-        host; one pass over ``act`` (``up`` is read at the columns only)."""
+    shape and dtype): there ``h = act * up`` holds nothing of ``up``. Per row (the last dimension), the first
+    ``slots`` such columns in ascending order (int32, ``-1`` in the slots past the row's last) and ``up`` at them
+    (``up``'s dtype, 0 past the last), each of shape ``(rows, slots)``. A fixed size: nothing read back to the
+    host; one pass over ``act`` (``up`` is read at the columns only)."""
     check_gated_exceptions(act, up, slots)
     rows, cols = rows_and_columns(act)
     zero = (act == 0).reshape(rows, cols)
@@ -215,13 +220,13 @@ def gated_backward(
     up_at: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(grad_gate, grad_up)`` of ``h = act(gate) * up`` (all tensors one dtype and shape), computed in the
-        accumulate dtype with ``act'`` evaluated from ``gate``. With ``act=None``, ``second`` is ``up`` and
-        ``act`` is evaluated from ``gate`` too (rounded to the dtype, as the forward's product saw it).
-        Otherwise ``act`` is the forward's own ``act(gate)`` tensor and ``second`` the output ``h``, from which
-        ``up = h / act`` where ``act != 0``: only the very bits the forward multiplied with recover ``up``
-        to rounding (a recomputed ``act`` one ulp off costs ~1e-5 relative error in GELU's negative tail). Where
-        ``act == 0``, ``up`` is ``up_at`` at the row's slot holding that column (``columns`` and ``up_at``: the
-        forward's :meth:`gated_exceptions`), else 0."""
+    accumulate dtype with ``act'`` evaluated from ``gate``. With ``act=None``, ``second`` is ``up`` and
+    ``act`` is evaluated from ``gate`` too (rounded to the dtype, as the forward's product saw it).
+    Otherwise ``act`` is the forward's own ``act(gate)`` tensor and ``second`` the output ``h``, from which
+    ``up = h / act`` where ``act != 0``: only the very bits the forward multiplied with recover ``up``
+    to rounding (a recomputed ``act`` one ulp off costs ~1e-5 relative error in GELU's negative tail). Where
+    ``act == 0``, ``up`` is ``up_at`` at the row's slot holding that column (``columns`` and ``up_at``: the
+    forward's :meth:`gated_exceptions`), else 0."""
     check_gated(grad, gate, second, kind, act, columns, up_at)
     acc = accumulate_dtype(grad.dtype)
     value, slope = activation_and_slope(gate.to(acc), kind)
@@ -243,8 +248,8 @@ def norm_forward(
     x: torch.Tensor, dim: int, eps: float, center: bool, out_dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(z, rstd)`` of a contiguous ``x`` normalized over its trailing ``dim`` elements: ``z`` (shape of
-        ``x``, ``out_dtype``) the affine-free output, ``rstd`` (one per row, accumulate dtype) the reciprocal
-        standard deviation. ``center``: LayerNorm (True) or RMSNorm (False)."""
+    ``x``, ``out_dtype``) the affine-free output, ``rstd`` (one per row, accumulate dtype) the reciprocal
+    standard deviation. ``center``: LayerNorm (True) or RMSNorm (False)."""
     xa = x.reshape(-1, dim).to(accumulate_dtype(x.dtype))
     if center:
         xa = xa - xa.mean(-1, keepdim=True)
@@ -291,10 +296,10 @@ def norm_affine_forward(
     shift: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(y, z, rstd)``: ``norm_forward`` and the norm's output ``y = scale * z + shift`` (``dim`` values
-        each in ``rstd``'s dtype, either None for none but not both), computed in that dtype from ``z`` as
-        stored (rounded to ``out_dtype``) and returned in ``out_dtype``: what a stock affine of ``z`` gives, to
-        one rounding (a compiler may fuse the multiply-add; the CPU kernels write ``y`` in the pass that
-        writes ``z``)."""
+    each in ``rstd``'s dtype, either None for none but not both), computed in that dtype from ``z`` as
+    stored (rounded to ``out_dtype``) and returned in ``out_dtype``: what a stock affine of ``z`` gives, to
+    one rounding (a compiler may fuse the multiply-add; the CPU kernels write ``y`` in the pass that
+    writes ``z``)."""
     check_affine("norm_affine_forward", dim, x.dtype, scale, shift)
     z, rstd = norm_forward(x, dim, eps, center, out_dtype)
     return affine(z, scale, shift), z, rstd
@@ -334,9 +339,9 @@ def norm_output_forward(
     columns: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(y, rstd, exact)``: ``norm_affine_forward`` for a norm that saves its output ``y`` rather than ``z``
-        (a frozen affine): no ``z`` is written, ``y`` is rounded once, from ``z`` unrounded (as stock's), and
-        ``exact`` (rows x ``len(columns)``, ``out_dtype``) holds ``z`` at the ``columns`` (ascending int64
-        indices, each once: the affine's ``norm_exact_columns``)."""
+    (a frozen affine): no ``z`` is written, ``y`` is rounded once, from ``z`` unrounded (as stock's), and
+    ``exact`` (rows x ``len(columns)``, ``out_dtype``) holds ``z`` at the ``columns`` (ascending int64
+    indices, each once: the affine's ``norm_exact_columns``)."""
     check_affine("norm_output_forward", dim, x.dtype, scale, shift)
     z, rstd = norm_forward(x, dim, eps, center, accumulate_dtype(x.dtype))  # unrounded
     return affine(z, scale, shift).to(out_dtype), rstd, z.view(-1, dim)[:, columns].to(out_dtype)
@@ -356,7 +361,7 @@ def norm_output_backward(
     dtype: torch.dtype,
 ) -> torch.Tensor:
     """``norm_backward``'s input gradient with ``z = (y - shift) / scale`` rebuilt from the saved output,
-        except at ``columns`` (ascending int64 indices, each once), whose ``z`` is ``exact``."""
+    except at ``columns`` (ascending int64 indices, each once), whose ``z`` is ``exact``."""
     z = y.reshape(-1, dim).to(rstd.dtype)
     z = z if shift is None else z - shift
     z = z if scale is None else z / scale
@@ -382,11 +387,11 @@ def norm_backward(
     column_sums: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(grad_input, sums)``: the gradients of ``y = scale * z + beta`` (``grad`` is ``dL/dy`` in ``z``'s
-        dtype): the paper's algorithms 2-3 applied to ``grad * scale`` (``dim`` values in the accumulate dtype,
-        or None), from the saved output and rstd only, returned in ``dtype``; with ``column_sums``, ``sums``
-        holds ``sum(grad * z)`` and ``sum(grad)`` over the rows (the gradients of ``gamma`` and ``beta``; shape
-        ``(2, dim)``, accumulate dtype), else it is empty. One pass computes what stock LayerNorm's backward
-        computes."""
+    dtype): the paper's algorithms 2-3 applied to ``grad * scale`` (``dim`` values in the accumulate dtype,
+    or None), from the saved output and rstd only, returned in ``dtype``; with ``column_sums``, ``sums``
+    holds ``sum(grad * z)`` and ``sum(grad)`` over the rows (the gradients of ``gamma`` and ``beta``; shape
+    ``(2, dim)``, accumulate dtype), else it is empty. One pass computes what stock LayerNorm's backward
+    computes."""
     g = grad.reshape(-1, dim).to(rstd.dtype)
     za = z.reshape(-1, dim).to(rstd.dtype)
     sums = affine_grad_sums(grad, z, dim, rstd.dtype) if column_sums else rstd.new_empty(0)
@@ -447,12 +452,12 @@ def _dropout_fake(x: torch.Tensor, p: float, seed: torch.Tensor) -> torch.Tensor
 @declare(fake=_dropout_fake)
 def dropout(x: torch.Tensor, p: float, seed: torch.Tensor) -> torch.Tensor:
     """``x * keep / (1 - p)`` (``0 <= p < 1``) in the accumulate dtype, returned contiguous in ``x``'s dtype:
-        element ``i`` (row-major) is kept when word ``i % 4`` of the Philox4x32-10 block of counter ``first + i // 4``
-        under key ``key`` is at least ``round(p * 2^32)`` (``csrc/lowmem_math.h``: ATen's and Triton's Philox, so
-        every backend draws the same mask). ``seed``: int64 ``[key]`` (``first`` 0) or ``[key, first]`` on ``x``'s
-        device (the C++ autograd draws a GPU's key and counters from its generator, as ATen's dropout does). A
-        backward applies the forward's mask by calling it on the gradient with the same seed: nothing but the seed
-        is saved."""
+    element ``i`` (row-major) is kept when word ``i % 4`` of the Philox4x32-10 block of counter ``first + i // 4``
+    under key ``key`` is at least ``round(p * 2^32)`` (``csrc/lowmem_math.h``: ATen's and Triton's Philox, so
+    every backend draws the same mask). ``seed``: int64 ``[key]`` (``first`` 0) or ``[key, first]`` on ``x``'s
+    device (the C++ autograd draws a GPU's key and counters from its generator, as ATen's dropout does). A
+    backward applies the forward's mask by calling it on the gradient with the same seed: nothing but the seed
+    is saved."""
     check_dropout(x, p, seed)
     key, first = (*seed.tolist(), 0)[:2]
     counters = torch.arange(first, first + (x.numel() + 3) // 4, dtype=torch.int64, device=x.device)
@@ -480,11 +485,11 @@ def dropout_input_and_grad(
     seed: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A folded dropout's backward in one pass: ``(dropout(rebuilt), dropout(grad))``, both with the mask of
-        ``seed`` (:meth:`dropout`). ``rebuilt``, the input the layer read before its mask, is ``x * scale + shift``
-        (``scale`` and ``shift`` per feature, the last dimension, in the accumulate dtype of ``dtype``, either None:
-        :func:`~lightning_lowmem.kernels.torch_ops.affine`) rounded to ``dtype``, or ``x`` in ``dtype`` with neither;
-        ``grad`` (``dtype``, ``x``'s shape) is the gradient of what the layer read. What the affine and two ``dropout``
-        calls give, with a fused multiply-add where a backend fuses it; one launch where they took three to five."""
+    ``seed`` (:meth:`dropout`). ``rebuilt``, the input the layer read before its mask, is ``x * scale + shift``
+    (``scale`` and ``shift`` per feature, the last dimension, in the accumulate dtype of ``dtype``, either None:
+    :func:`~lightning_lowmem.kernels.torch_ops.affine`) rounded to ``dtype``, or ``x`` in ``dtype`` with neither;
+    ``grad`` (``dtype``, ``x``'s shape) is the gradient of what the layer read. What the affine and two ``dropout``
+    calls give, with a fused multiply-add where a backend fuses it; one launch where they took three to five."""
     check_dropout(grad, p, seed)
     if x.shape != grad.shape or grad.dtype != dtype:
         raise ValueError(
@@ -523,11 +528,11 @@ def affine_weight_grad(
     dtype: torch.dtype,
 ) -> torch.Tensor:
     """A linear's weight gradient where it read a norm's output ``x = z * scale + shift`` and saved ``z``:
-        ``product * scale + outer(total, shift)``, with ``product = grad^T @ z`` (out x in, contiguous) and ``total =
-        sum(grad)`` over the rows (``out`` values of ``product``'s dtype; None without a shift); ``scale`` and
-        ``shift`` per input feature in the accumulate dtype of ``dtype`` (either None, not both). Computed in that
-        accumulate dtype and returned in ``dtype`` (the weight's): one pass where a widening copy, a scaling, an
-        outer-product add and a narrowing copy took four."""
+    ``product * scale + outer(total, shift)``, with ``product = grad^T @ z`` (out x in, contiguous) and ``total =
+    sum(grad)`` over the rows (``out`` values of ``product``'s dtype; None without a shift); ``scale`` and
+    ``shift`` per input feature in the accumulate dtype of ``dtype`` (either None, not both). Computed in that
+    accumulate dtype and returned in ``dtype`` (the weight's): one pass where a widening copy, a scaling, an
+    outer-product add and a narrowing copy took four."""
     check_affine_weight_grad(product, total, scale, shift, dtype)
     out = product.to(accumulate_dtype(dtype))
     if scale is not None:
@@ -599,12 +604,12 @@ def cross_entropy_grad_(
     row_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The per-row cross-entropy (fp32) of ``logits`` (rows x vocabulary, fp32, bf16 or fp16, contiguous;
-        ``softcap > 0``: of ``softcap * tanh(logits / softcap)``, Gemma 2's final capping) against ``target`` (int64
-        per row; a row whose target is ``ignore_index`` has loss 0), with ``label_smoothing`` as ``F.cross_entropy``
-        takes it; fp32 math whatever the logits' dtype. ``logits`` is overwritten with the loss's gradient with
-        respect to it (0 on ignored rows), times ``row_scale`` (fp32, one per row) when given, rounded once to their
-        dtype: one chunk of a fused linear + cross-entropy never holds logits and their gradient at once, and a
-        bf16 chunk's gradient is what its matmuls read."""
+    ``softcap > 0``: of ``softcap * tanh(logits / softcap)``, Gemma 2's final capping) against ``target`` (int64
+    per row; a row whose target is ``ignore_index`` has loss 0), with ``label_smoothing`` as ``F.cross_entropy``
+    takes it; fp32 math whatever the logits' dtype. ``logits`` is overwritten with the loss's gradient with
+    respect to it (0 on ignored rows), times ``row_scale`` (fp32, one per row) when given, rounded once to their
+    dtype: one chunk of a fused linear + cross-entropy never holds logits and their gradient at once, and a
+    bf16 chunk's gradient is what its matmuls read."""
     check_cross_entropy(logits, target, ignore_index, label_smoothing, softcap, row_scale, host=logits.is_cpu)
     rows = logits.float()
     capped = softcap * torch.tanh(rows / softcap) if softcap else rows
@@ -624,7 +629,6 @@ def cross_entropy_grad_(
         grad.mul_(row_scale.unsqueeze(1))
     logits.copy_(grad)
     return loss.masked_fill(ignored, 0.0)
-
 
 
 def _scaled_rows(

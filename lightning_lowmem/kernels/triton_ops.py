@@ -230,9 +230,7 @@ def _gated_backward_kernel(
 
 
 @triton.jit
-def _gated_exceptions_kernel(
-    act_ptr, up_ptr, columns_ptr, up_at_ptr, cols, up_row_stride, slots, BLOCK: tl.constexpr
-):
+def _gated_exceptions_kernel(act_ptr, up_ptr, columns_ptr, up_at_ptr, cols, up_row_stride, slots, BLOCK: tl.constexpr):
     # One row per program, BLOCK columns a step: each zero's place among the row's zeros (a cumulative sum) is its
     # slot, the first `slots` kept; then the unused slots filled
     row = tl.program_id(0).to(tl.int64)
@@ -256,7 +254,16 @@ def _gated_exceptions_kernel(
 
 @triton.jit
 def _gated_exceptions_backward_kernel(
-    grad_ptr, gate_ptr, columns_ptr, up_at_ptr, grad_gate_ptr, count, slots, cols, KIND: tl.constexpr, BLOCK: tl.constexpr
+    grad_ptr,
+    gate_ptr,
+    columns_ptr,
+    up_at_ptr,
+    grad_gate_ptr,
+    count,
+    slots,
+    cols,
+    KIND: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     # The gate gradient at the forward's exceptions, which _gated_backward_kernel took up = 0 at
     index = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)

@@ -82,7 +82,9 @@ def linear_log_probs(
     check_float_tensor("linear_log_probs", hidden)
     check_float_tensor("linear_log_probs", weight)
     if weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
-        raise ValueError(f"linear_log_probs: hidden {tuple(hidden.shape)} and weight {tuple(weight.shape)} do not match")
+        raise ValueError(
+            f"linear_log_probs: hidden {tuple(hidden.shape)} and weight {tuple(weight.shape)} do not match"
+        )
     if target.shape != hidden.shape[:-1] or target.dtype != torch.int64:
         raise ValueError(
             f"linear_log_probs: target must be int64 of shape {tuple(hidden.shape[:-1])}, got {tuple(target.shape)} "
