@@ -153,3 +153,62 @@ def test_compiles_whole():
     compiled = torch.compile(linear_log_probs, backend="aot_eager", fullgraph=True)
     torch.testing.assert_close(compiled(hidden, weight, target, b), linear_log_probs(hidden, weight, target, b))
     assert kernels.backend("cpu") in kernels.BACKENDS
+
+
+def tiny_llama(**extra):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, **extra
+    )
+    return transformers.LlamaForCausalLM(config)
+
+
+def test_a_causal_lms_log_probs_are_trls_from_its_logits_and_a_reference_saves_nothing(recorder):
+    """As TRL scores completions: ``selective_log_softmax`` of the logits of each position against the next label;
+    a LoRA body (peft) trains through them; under ``no_grad`` (the frozen reference) nothing is saved."""
+    peft = pytest.importorskip("peft")
+    trl_utils = pytest.importorskip("trl.trainer.utils")
+    from lightning_lowmem.hf import causal_lm_log_probs
+
+    model = peft.get_peft_model(tiny_llama(), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj", "down_proj"]))
+    ids = torch.randint(0, 300, (2, 12))
+    labels = ids.masked_fill(torch.arange(12) < 4, -100)  # the prompt
+    mask = torch.ones_like(ids).index_fill_(1, torch.tensor([0, 1]), 0)
+    log_probs, entropy = causal_lm_log_probs(model, ids, labels, attention_mask=mask, return_entropy=True)
+    logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1]
+    kept = labels[:, 1:] != -100
+    expected = trl_utils.selective_log_softmax(logits, labels[:, 1:].clamp(min=0)) * kept
+    torch.testing.assert_close(log_probs, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(entropy, trl_utils.entropy_from_logits(logits) * kept, rtol=1e-5, atol=1e-5)
+    log_probs.sum().backward()
+    assert all(p.grad is not None for n, p in model.named_parameters() if "lora_A" in n)
+    with torch.no_grad(), model.disable_adapter(), recorder() as saved:
+        causal_lm_log_probs(model, ids, labels)
+    assert not saved.saved
+
+
+def test_a_causal_lm_whose_logits_are_capped_or_whose_head_is_adapted_is_refused():
+    peft = pytest.importorskip("peft")
+    from lightning_lowmem.hf import causal_lm_log_probs
+
+    ids = torch.randint(0, 300, (1, 8))
+    capped = tiny_llama()
+    capped.config.final_logit_softcapping = 30.0
+    with pytest.raises(ValueError, match="LlamaForCausalLM is not supported: its logits are changed by final_logit"):
+        causal_lm_log_probs(capped, ids, ids)
+    adapted = peft.get_peft_model(tiny_llama(), peft.LoraConfig(r=4, target_modules=["lm_head"]))
+    with pytest.raises(ValueError, match="a head with a LoRA adapter is not supported yet"):
+        causal_lm_log_probs(adapted, ids, ids)
+
+
+def test_the_dpo_example_trains_with_stocks_losses_under_lowmem_bp():
+    """examples/dpo.py: DPO on a LightningModule (peft LoRA, the reference with its adapters off): with LowMemBP
+    the losses are stock's (LoRA dropout off: stock's and the seeded dropout draw different masks), and with
+    dropout it trains."""
+    pytest.importorskip("peft")
+    from examples import dpo
+
+    stock, converted = (dpo.train(3, lowmem=lowmem, lora_dropout=0.0) for lowmem in (False, True))
+    assert stock[0] == pytest.approx(0.693147, abs=1e-6)  # the policy is the reference at the start: log 2
+    assert converted == pytest.approx(stock, abs=1e-5) and converted[-1] < converted[0]
+    assert dpo.train(2, lowmem=True)[-1] < 0.6931

@@ -19,8 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_lowmem.nn.adapters import adapter_of, linear_head_operands
+from lightning_lowmem.nn.adapters import adapter_of, linear_head_operands, not_a_linear_head
 from lightning_lowmem.ops.cross_entropy import linear_cross_entropy
+from lightning_lowmem.ops.log_probs import linear_log_probs
 
 
 def causal_lm_loss(
@@ -116,6 +117,44 @@ class FusedLossForward:
             raise RuntimeError(f"{type(model).__name__}: its head ran {len(losses)} times in one forward, not once")
         fields = {key: value for key, value in output.items() if key not in ("loss", "logits")}
         return type(output)(loss=losses[0], **fields)
+
+
+def causal_lm_log_probs(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    attention_mask: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    ignore_index: int = -100,
+    return_entropy: bool = False,
+    **model_kwargs: Any,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Each position's log-prob of the next label (``labels`` shifted as transformers' causal LM loss shifts them;
+    ``ignore_index`` gives 0 and no gradient), ``(batch, tokens - 1)`` in fp32, and with ``return_entropy`` the
+    entropy of each position's distribution: what DPO, KTO and GRPO losses are written on, computed by
+    :func:`~lightning_lowmem.ops.linear_log_probs` from the backbone's last hidden states and the head's weight,
+    so that no ``tokens x vocabulary`` tensor exists. ``model``: a Hugging Face causal LM (converted or not, peft
+    adapters on its body included); under ``torch.no_grad()`` (a frozen reference model) nothing is saved either.
+    A model whose logits are scaled or capped, or whose head carries an adapter, is refused with the reason."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    config = getattr(base, "config", None)
+    scaled = [
+        name for name in ("final_logit_softcapping", "logit_scale") if getattr(config, name, None) not in (None, 1.0)
+    ]
+    head = base.get_output_embeddings()
+    if scaled or head is None or (adapter_of(head) is None and not_a_linear_head(head)):
+        reason = f"its logits are changed by {', '.join(scaled)}" if scaled else "its head is not a linear layer"
+        raise ValueError(f"causal_lm_log_probs: {type(base).__name__} is not supported: {reason}")
+    backbone = getattr(base, base.base_model_prefix)
+    hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, **model_kwargs).last_hidden_state[:, :-1]
+    weight, bias, lora = head_operands(head, hidden)
+    if lora is not None:
+        raise ValueError("causal_lm_log_probs: a head with a LoRA adapter is not supported yet (adapt the body only)")
+    return linear_log_probs(
+        hidden, weight, labels[:, 1:].to(hidden.device), bias,
+        temperature=temperature, ignore_index=ignore_index, return_entropy=return_entropy,
+    )  # fmt: skip
 
 
 def fused_loss_of(model: nn.Module) -> FusedLossForward | None:
