@@ -161,6 +161,62 @@ def test_sft_trainers_bf16_default_gradients_stay_near_fp32(tmp_path):
     assert 0 < stock < 0.05 and ours < 2 * stock
 
 
+def word_tokenizer():
+    """Words ``t0`` ... ``t{VOCAB-1}`` split on spaces: TRL's trainers tokenize text, and nothing is downloaded."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+
+    words = tokenizers.Tokenizer(WordLevel({f"t{i}": i for i in range(zoo.VOCAB)}, unk_token="t3"))
+    words.pre_tokenizer = WhitespaceSplit()
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=words, pad_token="t0", bos_token="t1", eos_token="t2", unk_token="t3"
+    )
+
+
+def preference_run(tmp_path, kind: str, callbacks: list) -> list[tuple[float, float]]:
+    """Per-step loss and gradient norm of TRL's DPO or GRPO trainer (3 / 2 steps, fp32) on the LoRA tiny LLaMA, on
+    prompts (and answers) of random words; GRPO's reward: the completion's length."""
+    trl = pytest.importorskip("trl")
+    datasets = pytest.importorskip("datasets")
+    words = torch.Generator().manual_seed(0)
+    text = lambda n: " ".join(f"t{int(i)}" for i in torch.randint(4, zoo.VOCAB, (n,), generator=words))  # noqa: E731
+    common = {"output_dir": str(tmp_path), "learning_rate": 1e-2, "logging_steps": 1, "report_to": [], "use_cpu": True,
+              "seed": 0, "save_strategy": "no", "disable_tqdm": True, "bf16": False}  # fmt: skip
+    torch.manual_seed(0)
+    model = zoo.lora(zoo.llama(), zoo.LLAMA_LINEARS, random_b=True)
+    if kind == "DPO":  # answers end with a space: TRL appends the EOS word to them
+        rows = [{"prompt": text(6), "chosen": f" {text(5)} ", "rejected": f" {text(7)} "} for _ in range(8)]
+        args = trl.DPOConfig(per_device_train_batch_size=2, max_steps=3, **common, **ORDERED)
+        trainer = trl.DPOTrainer(model=model, args=args, train_dataset=datasets.Dataset.from_list(rows),
+                                 processing_class=word_tokenizer(), callbacks=callbacks)  # fmt: skip
+    else:
+        args = trl.GRPOConfig(per_device_train_batch_size=4, num_generations=4, max_completion_length=8, max_steps=2,
+                              beta=0.04, **common)  # fmt: skip
+        trainer = trl.GRPOTrainer(
+            model=model, reward_funcs=lambda completions, **_: [len(c) / 10 for c in completions], args=args,
+            train_dataset=datasets.Dataset.from_list([{"prompt": text(6)} for _ in range(8)]),
+            processing_class=word_tokenizer(), callbacks=callbacks,
+        )  # fmt: skip
+    trainer.train()
+    return [(log["loss"], log["grad_norm"]) for log in trainer.state.log_history if "loss" in log]
+
+
+@pytest.mark.parametrize("kind", ["DPO", "GRPO"])
+def test_trls_preference_and_rl_trainers_keep_their_fused_log_probs_and_train_with_stocks_losses(tmp_path, kind):
+    """TRL's DPO and GRPO trainers (1.16) score completions by per-token log-probs without logits, through their own
+    fused LM head (``add_fused_lm_head``): on a converted model that head is left alone with why, the body converts,
+    and every step's loss and gradient norm are stock's (GRPO's second step samples its completions after the
+    conversion: the conversion leaves the random number generator as it found it)."""
+    callback = LowMemCallback()
+    stock = preference_run(tmp_path, kind, [])
+    converted = preference_run(tmp_path, kind, [callback])
+    torch.testing.assert_close(torch.tensor(converted), torch.tensor(stock), rtol=1e-5, atol=1e-6)
+    head = next(e for e in callback.report.entries if e.kind == "head")
+    assert head.status == "left alone" and "patched by another library" in head.detail
+    assert {"gated MLP", "norm"} <= {e.kind for e in callback.report.converted}
+
+
 def test_a_rollback_puts_back_another_librarys_patched_forward():
     model = zoo.llama()
     ids = zoo.tokens()

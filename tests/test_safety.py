@@ -241,6 +241,31 @@ def test_the_training_check_touches_no_gradient_and_fires_no_gradient_hook():
     assert trained[0].grad is kept and all(p.grad is None for p in trained[1:]) and not fired
 
 
+@pytest.mark.parametrize("when", ["example_input", "first forward"])
+def test_a_conversion_leaves_the_random_number_generator_as_it_found_it(when):
+    """The probing steps draw (dropout masks, seeds): the training after a conversion draws what it would have drawn
+    without one (found on TRL's GRPO: its next completions were sampled from a moved generator)."""
+    dropout = 0.1 if when == "example_input" else 0.0  # converted, a dropout draws its masks otherwise than stock's
+    lora = peft.LoraConfig(r=4, lora_dropout=dropout, target_modules=["q_proj", "up_proj"])
+    model = peft.get_peft_model(tiny_llama(lora=False), lora)
+    ids = torch.randint(0, zoo.VOCAB, (2, 8))
+    torch.manual_seed(1)
+    expected = torch.rand(3) if when == "example_input" else None
+    torch.manual_seed(1)
+    if when == "example_input":
+        report = apply_lowmem(model, example_input={"input_ids": ids, "labels": ids})
+        assert torch.equal(torch.rand(3), expected)
+    else:  # converted inside the first training forward: after it, the generator is where stock's forward leaves it
+        stock = copy.deepcopy(model).train()
+        report = apply_lowmem(model)
+        model.train()(input_ids=ids, labels=ids)
+        after = torch.rand(3)
+        torch.manual_seed(1)
+        stock(input_ids=ids, labels=ids)
+        assert torch.equal(after, torch.rand(3))
+    assert report.converted
+
+
 @pytest.mark.parametrize("figures", ["kept whole", "projected"])
 def test_the_training_check_turns_every_dropout_off_and_compares_to_rounding(monkeypatch, figures):
     """Stock dropouts (modules, ``F.dropout``, SDPA's ``dropout_p``) and the seeded ones are the identity in the check's

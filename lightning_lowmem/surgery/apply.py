@@ -31,6 +31,7 @@ from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
 
+import torch
 from torch import nn
 from torch._dynamo import OptimizedModule
 
@@ -365,7 +366,15 @@ def _drop_what_costs(model: nn.Module, example: Any, plan: Plan, surgery: Surger
 
 def run(report: LowMemReport, model: nn.Module, options: Options, example: Any) -> Surgery:
     """The stages, filling ``report``: decide (nothing changed yet), then change, check, measure and fit the
-    budget, undoing every change if anything raises. Returns the applied surgery."""
+    budget, undoing every change if anything raises. Returns the applied surgery. The random number generators of
+    the CPU and of the model's GPUs are left as they were: the probing steps draw from them (dropout masks, seeds),
+    and a conversion must not move the draws of the training that follows (its shuffling, dropout, sampling)."""
+    gpus = sorted({t.device.index for t in model.parameters() if t.device.type == "cuda"})
+    with torch.random.fork_rng(devices=gpus):
+        return _run(report, model, options, example)
+
+
+def _run(report: LowMemReport, model: nn.Module, options: Options, example: Any) -> Surgery:
     refuse_partitioned(model, "apply_lowmem")
     found = nominate(model, options, example)
     flow = trace_norms(model, found, example)
