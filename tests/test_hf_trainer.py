@@ -180,7 +180,7 @@ def preference_run(tmp_path, kind: str, callbacks: list) -> list[tuple[float, fl
     trl = pytest.importorskip("trl")
     datasets = pytest.importorskip("datasets")
     words = torch.Generator().manual_seed(0)
-    text = lambda n: " ".join(f"t{int(i)}" for i in torch.randint(4, zoo.VOCAB, (n,), generator=words))  # noqa: E731
+    text = lambda n: " ".join(f"t{int(i)}" for i in torch.randint(4, zoo.VOCAB, (n,), generator=words))
     common = {"output_dir": str(tmp_path), "learning_rate": 1e-2, "logging_steps": 1, "report_to": [], "use_cpu": True,
               "seed": 0, "save_strategy": "no", "disable_tqdm": True, "bf16": False}  # fmt: skip
     torch.manual_seed(0)
