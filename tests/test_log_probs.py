@@ -113,19 +113,25 @@ def test_only_the_log_probs_or_only_the_entropy_train():
     torch.testing.assert_close(ours, hidden.grad, rtol=1e-5, atol=1e-6)
 
 
-def test_every_backend_computes_the_reference(kernel_backend):
-    """The ops as each compiled backend runs them (where it has no kernel of its own: the reference, by the
-    dispatcher): the same values and gradient chunks."""
-    logits = torch.randn(6, 40, device=kernel_backend.device)
-    target = torch.tensor([1, 2, -100, 39, 0, 5], device=kernel_backend.device)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("vocab", [40, 5000], ids=["one_block", "blocks"])
+@pytest.mark.parametrize("entropy", [True, False], ids=["entropy", "log_probs_only"])
+def test_every_backend_computes_the_reference(kernel_backend, dtype, vocab, entropy):
+    """The ops as each compiled backend runs them (Triton's kernels; where a backend has none, the reference by the
+    dispatcher): the values to fp32 rounding, the gradient chunks to one rounding in their dtype."""
+    device = kernel_backend.device
+    logits = (3 * torch.randn(6, vocab, device=device)).to(dtype)
+    target = torch.tensor([1, 2, -100, vocab - 1, 0, 5], device=device)
     found = kernel_backend.module.token_log_probs(logits, target, -100, 0.7)
     for a, s in zip(found, torch_ops.token_log_probs(logits, target, -100, 0.7)):
-        torch.testing.assert_close(a, s)
+        torch.testing.assert_close(a, s, rtol=1e-5, atol=1e-5)
     grads = [logits.clone(), logits.clone()]
-    per_row = (found[2], found[1], torch.randn(6, device=logits.device), torch.randn(6, device=logits.device))
+    upstream = torch.randn(2, 6, device=device)
+    per_row = (found[2], found[1], upstream[0], upstream[1] if entropy else None)
     kernel_backend.module.token_log_probs_grad_(grads[0], target, *per_row, -100, 0.7)
     torch_ops.token_log_probs_grad_(grads[1], target, *per_row, -100, 0.7)
-    torch.testing.assert_close(grads[0], grads[1])
+    torch.testing.assert_close(grads[0], grads[1], atol=1e-6, rtol={torch.float32: 1e-5}.get(dtype, 1e-2))
+    assert (grads[0][2] == 0).all()  # the ignored row
 
 
 def test_bad_input_gets_a_clear_error():

@@ -631,15 +631,20 @@ def cross_entropy_grad_(
     return loss.masked_fill(ignored, 0.0)
 
 
-def _scaled_rows(
-    op: str, logits: torch.Tensor, target: torch.Tensor, ignore_index: int, temperature: float
-) -> torch.Tensor:
-    """``logits / temperature`` in fp32, after the checks the log-prob ops share."""
+def check_log_probs(
+    op: str, logits: torch.Tensor, target: torch.Tensor, ignore_index: int, temperature: float, *per_row: object
+) -> None:
+    """The checks every backend of the log-prob ops runs: rows of logits, their targets, a positive temperature and
+    ``per_row`` (name, values) pairs of one fp32 value per row (or None)."""
     check_logit_rows(op, logits, target)
     if not temperature > 0:
         raise ValueError(f"{op}: temperature must be positive, got {temperature}")
+    for name, values in per_row:
+        if values is not None and (values.dtype != torch.float32 or values.shape != target.shape):
+            raise ValueError(
+                f"{op}: {name} must be {len(target)} float32 values, got {tuple(values.shape)} {values.dtype}"
+            )
     check_targets(op, logits, target, ignore_index, host=logits.is_cpu)
-    return logits.float() / temperature
 
 
 def _token_log_probs_fake(logits: torch.Tensor, *args: object) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -657,13 +662,20 @@ def token_log_probs(
     whatever the logits' dtype. A row whose target is ``ignore_index`` gives 0 for both (its ``lse`` is still
     computed). One chunk of a fused linear + log-probs head (:func:`lightning_lowmem.ops.linear_log_probs`): what
     its backward needs of a row (``lse``, the entropy), and not its logits."""
-    rows = _scaled_rows("token_log_probs", logits, target, ignore_index, temperature)
+    check_log_probs("token_log_probs", logits, target, ignore_index, temperature)
+    rows = logits.float() / temperature
     lse = torch.logsumexp(rows, dim=1)
     log_p = rows.sub_(lse.unsqueeze(1))
     ignored = target == ignore_index
     picked = log_p.gather(1, target.masked_fill(ignored, 0).unsqueeze(1)).squeeze(1)
     entropy = -(log_p.exp() * log_p).sum(1)
     return picked.masked_fill(ignored, 0.0), entropy.masked_fill(ignored, 0.0), lse
+
+
+def grad_rows(*values: torch.Tensor | None) -> list[tuple[str, torch.Tensor | None]]:
+    """The per-row arguments of :func:`token_log_probs_grad_` (``lse``, ``entropy``, ``grad_log_prob``,
+    ``grad_entropy``), named for :func:`check_log_probs`."""
+    return list(zip(("lse", "entropy", "grad_log_prob", "grad_entropy"), values))
 
 
 def _token_log_probs_grad_fake(*args: object) -> None:
@@ -687,14 +699,15 @@ def token_log_probs_grad_(
     temperature`` and ``p = softmax(s)``, ``(grad_log_prob * (onehot(target) - p) - grad_entropy * p * (s - lse +
     entropy)) / temperature``, 0 on ignored rows. A chunk's backward never holds its logits and their gradient at
     once."""
-    rows = _scaled_rows("token_log_probs_grad_", logits, target, ignore_index, temperature)
-    per_row = {"lse": lse, "entropy": entropy, "grad_log_prob": grad_log_prob, "grad_entropy": grad_entropy}
-    for name, values in per_row.items():
-        if values is not None and (values.dtype != torch.float32 or values.shape != target.shape):
-            raise ValueError(
-                f"token_log_probs_grad_: {name} must be {len(target)} float32 values, got {tuple(values.shape)} "
-                f"{values.dtype}"
-            )
+    check_log_probs(
+        "token_log_probs_grad_",
+        logits,
+        target,
+        ignore_index,
+        temperature,
+        *grad_rows(lse, entropy, grad_log_prob, grad_entropy),
+    )
+    rows = logits.float() / temperature
     ignored = target == ignore_index
     log_p = rows.sub_(lse.unsqueeze(1))
     p = log_p.exp()

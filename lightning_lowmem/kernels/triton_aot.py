@@ -109,6 +109,10 @@ def launch_every_choice(ops: Any, device: torch.device | str = "cpu") -> None:
                 for scale in (None, tensor(2, like=1.0)):
                     labels = torch.tensor([1, -100], device=device)
                     ops.cross_entropy_grad_(tensor(2, vocab, dtype=dtype), labels, -100, 0.1, cap, scale)
+            labels, rows = torch.tensor([1, -100], device=device), tensor(2, like=1.0)
+            ops.token_log_probs(tensor(2, vocab, dtype=dtype), labels, -100, 0.7)
+            for entropy in (None, rows):
+                ops.token_log_probs_grad_(tensor(2, vocab, dtype=dtype), labels, rows, rows, rows, entropy, -100, 0.7)
 
 
 def configurations() -> list[dict[str, Any]]:

@@ -417,6 +417,64 @@ def _cross_entropy_grad_kernel(
         tl.store(loss_ptr + tl.program_id(0), loss)
 
 
+@triton.jit
+def _token_log_probs_kernel(
+    logits_ptr, target_ptr, log_prob_ptr, entropy_ptr, lse_ptr, vocab, ignore_index, temperature, BLOCK: tl.constexpr
+):
+    # One row per program, one pass: the online max, sum of exponentials and exponential-weighted sum of the scaled
+    # logits s; then lse = max + log(sum), the entropy lse - sum(p s) and the target's s - lse.
+    row_ptr = logits_ptr + tl.program_id(0).to(tl.int64) * vocab
+    target = tl.load(target_ptr + tl.program_id(0))
+    cols = tl.arange(0, BLOCK)
+    peak = float("-inf")
+    sum_exp = 0.0
+    weighted = 0.0
+    for start in range(0, vocab, BLOCK):
+        inside = start + cols < vocab
+        x = tl.load(row_ptr + start + cols, mask=inside, other=0.0).to(tl.float32) / temperature
+        x = tl.where(inside, x, float("-inf"))
+        new_peak = tl.maximum(peak, tl.max(x, 0))
+        shrink = tl.exp(peak - new_peak)
+        e = tl.exp(x - new_peak)
+        sum_exp = sum_exp * shrink + tl.sum(e, 0)
+        weighted = weighted * shrink + tl.sum(tl.where(inside, e * x, 0.0), 0)
+        peak = new_peak
+    lse = peak + tl.log(sum_exp)
+    tl.store(lse_ptr + tl.program_id(0), lse)
+    if target == ignore_index:
+        tl.store(log_prob_ptr + tl.program_id(0), 0.0)
+        tl.store(entropy_ptr + tl.program_id(0), 0.0)
+    else:
+        picked = tl.load(row_ptr + target).to(tl.float32) / temperature
+        tl.store(log_prob_ptr + tl.program_id(0), picked - lse)
+        tl.store(entropy_ptr + tl.program_id(0), lse - weighted / sum_exp)
+
+
+@triton.jit
+def _token_log_probs_grad_kernel(
+    logits_ptr, target_ptr, lse_ptr, entropy_ptr, grad_log_prob_ptr, grad_entropy_ptr, vocab, ignore_index,
+    temperature, HAS_ENTROPY: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    # One row per program, one pass: (g_lp (onehot - p) - g_H p (log p + H)) / T over the logits, in their dtype.
+    row_ptr = logits_ptr + tl.program_id(0).to(tl.int64) * vocab
+    target = tl.load(target_ptr + tl.program_id(0))
+    cols = tl.arange(0, BLOCK)
+    lse = tl.load(lse_ptr + tl.program_id(0))
+    entropy = tl.load(entropy_ptr + tl.program_id(0))
+    grad_log_prob = tl.load(grad_log_prob_ptr + tl.program_id(0))
+    grad_entropy = tl.load(grad_entropy_ptr + tl.program_id(0)) if HAS_ENTROPY else 0.0
+    for start in range(0, vocab, BLOCK):
+        inside = start + cols < vocab
+        log_p = tl.load(row_ptr + start + cols, mask=inside, other=0.0).to(tl.float32) / temperature - lse
+        p = tl.exp(log_p)
+        g = -grad_log_prob * p
+        g = tl.where(start + cols == target, g + grad_log_prob, g)
+        if HAS_ENTROPY:
+            g -= grad_entropy * p * (log_p + entropy)
+        g = tl.where(target == ignore_index, 0.0, g / temperature)
+        tl.store(row_ptr + start + cols, g.to(row_ptr.dtype.element_ty), mask=inside)
+
+
 # Decided when the kernels above were defined: True when they run in Triton's interpreter.
 INTERPRETED = not isinstance(_act_codes_kernel, triton.runtime.JITFunction)
 
@@ -758,3 +816,42 @@ def cross_entropy_grad_(
             num_warps=warps,
         )  # fmt: skip
     return loss
+
+
+def token_log_probs(
+    logits: torch.Tensor, target: torch.Tensor, ignore_index: int, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    torch_ops.check_log_probs("token_log_probs", logits, target, ignore_index, temperature)
+    log_prob, entropy, lse = (torch.empty(len(target), dtype=torch.float32, device=logits.device) for _ in range(3))
+    if logits.numel() == 0:
+        return log_prob.zero_(), entropy.zero_(), lse.fill_(float("-inf"))
+    block, warps = cross_entropy_settings(logits.shape[1], logits.dtype)
+    with _launching_on("token_log_probs", logits):
+        _token_log_probs_kernel[(len(target),)](
+            logits, target.contiguous(), log_prob, entropy, lse, logits.shape[1], ignore_index, temperature,
+            BLOCK=block, num_warps=warps,
+        )  # fmt: skip
+    return log_prob, entropy, lse
+
+
+def token_log_probs_grad_(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    lse: torch.Tensor,
+    entropy: torch.Tensor,
+    grad_log_prob: torch.Tensor,
+    grad_entropy: torch.Tensor | None,
+    ignore_index: int,
+    temperature: float,
+) -> None:
+    per_row = torch_ops.grad_rows(lse, entropy, grad_log_prob, grad_entropy)
+    torch_ops.check_log_probs("token_log_probs_grad_", logits, target, ignore_index, temperature, *per_row)
+    if logits.numel() == 0:
+        return
+    block, warps = cross_entropy_settings(logits.shape[1], logits.dtype)
+    with _launching_on("token_log_probs_grad_", logits):
+        _token_log_probs_grad_kernel[(len(target),)](
+            logits, target.contiguous(), lse, entropy, grad_log_prob,
+            grad_log_prob if grad_entropy is None else grad_entropy, logits.shape[1], ignore_index, temperature,
+            HAS_ENTROPY=grad_entropy is not None, BLOCK=block, num_warps=warps,
+        )  # fmt: skip
