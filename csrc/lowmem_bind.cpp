@@ -420,39 +420,76 @@ at::Tensor affine_weight_grad_op(const at::Tensor& product, const std::optional<
 }
 
 #if !defined(LOWMEM_CUDA)
-// The per-row loss of logits, which are overwritten with the loss's gradient (see cross_entropy_grad).
-at::Tensor cross_entropy_grad_op(at::Tensor& logits, const at::Tensor& target, int64_t ignore_index,
-                                 double label_smoothing, double softcap, const std::optional<at::Tensor>& row_scale) {
-  check_tensor("cross_entropy_grad_", "logits", logits, logits.device());
-  check_tensor("cross_entropy_grad_", "target", target, logits.device());
+// Rows of logits a head's step takes (contiguous fp32, bf16 or fp16) and an int64 target per row, each a class or
+// ignore_index: the targets, contiguous.
+at::Tensor checked_targets(const char* op, const at::Tensor& logits, const at::Tensor& target, int64_t ignore_index) {
+  check_tensor(op, "logits", logits, logits.device());
+  check_tensor(op, "target", target, logits.device());
   const auto dtype = logits.scalar_type();
   TORCH_CHECK_VALUE(logits.dim() == 2 && logits.is_contiguous() &&
                         (dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf),
-                    "cross_entropy_grad_: logits must be contiguous float32, bfloat16 or float16 rows, got ",
-                    logits.sizes(), " ", dtype);
-  TORCH_CHECK_VALUE(target.scalar_type() == at::kLong && target.dim() == 1 && target.size(0) == logits.size(0),
-                    "cross_entropy_grad_: target must be ", logits.size(0), " int64 values on ", logits.device());
-  TORCH_CHECK_VALUE(label_smoothing >= 0.0 && label_smoothing <= 1.0 && softcap >= 0.0,
-                    "cross_entropy_grad_: label_smoothing must be in [0, 1] and softcap >= 0, got ", label_smoothing,
-                    ", ", softcap);
-  at::Tensor scale;
-  if (row_scale.has_value()) {
-    scale = row_scale->contiguous();
-    TORCH_CHECK_VALUE(scale.scalar_type() == at::kFloat && scale.dim() == 1 && scale.size(0) == logits.size(0) &&
-                          scale.device() == logits.device(),
-                      "cross_entropy_grad_: row_scale must be ", logits.size(0), " float32 values on ", logits.device());
-  }
+                    op, ": logits must be contiguous float32, bfloat16 or float16 rows, got ", logits.sizes(), " ",
+                    dtype);
+  TORCH_CHECK_VALUE(target.scalar_type() == at::kLong && target.dim() == 1 && target.size(0) == logits.size(0), op,
+                    ": target must be ", logits.size(0), " int64 values on ", logits.device());
   const at::Tensor targets = target.contiguous();
   if (logits.size(1) > 0) {
     const int64_t* t = targets.const_data_ptr<int64_t>();
     for (int64_t r = 0; r < targets.numel(); ++r) {
-      TORCH_CHECK_INDEX(t[r] == ignore_index || (t[r] >= 0 && t[r] < logits.size(1)), "cross_entropy_grad_: target ",
-                        t[r], " is out of bounds for ", logits.size(1), " classes");
+      TORCH_CHECK_INDEX(t[r] == ignore_index || (t[r] >= 0 && t[r] < logits.size(1)), op, ": target ", t[r],
+                        " is out of bounds for ", logits.size(1), " classes");
     }
   }
+  return targets;
+}
+
+// One float32 value per row of `logits`, contiguous.
+at::Tensor checked_rows(const char* op, const char* name, const at::Tensor& values, const at::Tensor& logits) {
+  TORCH_CHECK_VALUE(values.scalar_type() == at::kFloat && values.dim() == 1 && values.size(0) == logits.size(0) &&
+                        values.device() == logits.device(),
+                    op, ": ", name, " must be ", logits.size(0), " float32 values on ", logits.device());
+  return values.contiguous();
+}
+
+// The per-row loss of logits, which are overwritten with the loss's gradient (see cross_entropy_grad).
+at::Tensor cross_entropy_grad_op(at::Tensor& logits, const at::Tensor& target, int64_t ignore_index,
+                                 double label_smoothing, double softcap, const std::optional<at::Tensor>& row_scale) {
+  const at::Tensor targets = checked_targets("cross_entropy_grad_", logits, target, ignore_index);
+  TORCH_CHECK_VALUE(label_smoothing >= 0.0 && label_smoothing <= 1.0 && softcap >= 0.0,
+                    "cross_entropy_grad_: label_smoothing must be in [0, 1] and softcap >= 0, got ", label_smoothing,
+                    ", ", softcap);
+  const at::Tensor scale =
+      row_scale.has_value() ? checked_rows("cross_entropy_grad_", "row_scale", *row_scale, logits) : at::Tensor();
   at::Tensor loss = at::empty({logits.size(0)}, logits.options().dtype(at::kFloat));
   if (logits.numel() > 0) cross_entropy_grad(logits, targets, ignore_index, label_smoothing, softcap, scale, loss);
   return loss;
+}
+
+// Each row's target log-prob, entropy and log-sum-exp of logits / temperature (see token_log_probs).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> token_log_probs_op(const at::Tensor& logits, const at::Tensor& target,
+                                                                  int64_t ignore_index, double temperature) {
+  const at::Tensor targets = checked_targets("token_log_probs", logits, target, ignore_index);
+  TORCH_CHECK_VALUE(temperature > 0, "token_log_probs: temperature must be positive, got ", temperature);
+  const auto rows = [&] { return at::empty({logits.size(0)}, logits.options().dtype(at::kFloat)); };
+  at::Tensor log_prob = rows(), entropy = rows(), lse = rows();
+  if (logits.size(1) == 0) return {log_prob.zero_(), entropy.zero_(), lse.fill_(-INFINITY)};
+  token_log_probs(logits, targets, ignore_index, temperature, log_prob, entropy, lse);
+  return {log_prob, entropy, lse};
+}
+
+// Logits overwritten with the gradient of the rows' log-probs and entropies (see token_log_probs_grad).
+void token_log_probs_grad_op(at::Tensor& logits, const at::Tensor& target, const at::Tensor& lse,
+                             const at::Tensor& entropy, const at::Tensor& grad_log_prob,
+                             const std::optional<at::Tensor>& grad_entropy, int64_t ignore_index, double temperature) {
+  const char* op = "token_log_probs_grad_";
+  const at::Tensor targets = checked_targets(op, logits, target, ignore_index);
+  TORCH_CHECK_VALUE(temperature > 0, op, ": temperature must be positive, got ", temperature);
+  const at::Tensor entropy_grad = grad_entropy.has_value() ? checked_rows(op, "grad_entropy", *grad_entropy, logits)
+                                                           : at::Tensor();
+  if (logits.numel() == 0) return;
+  token_log_probs_grad(logits, targets, checked_rows(op, "lse", lse, logits), checked_rows(op, "entropy", entropy, logits),
+                       checked_rows(op, "grad_log_prob", grad_log_prob, logits), entropy_grad, ignore_index,
+                       temperature);
 }
 #endif
 
@@ -482,5 +519,7 @@ TORCH_LIBRARY_IMPL(lowmem, LOWMEM_DISPATCH_KEY, m) {
   m.impl("norm_output_forward", &lowmem::norm_output_forward_op);
   m.impl("norm_output_backward", &lowmem::norm_output_backward_op);
   m.impl("cross_entropy_grad_", &lowmem::cross_entropy_grad_op);
+  m.impl("token_log_probs", &lowmem::token_log_probs_op);
+  m.impl("token_log_probs_grad_", &lowmem::token_log_probs_grad_op);
 #endif
 }

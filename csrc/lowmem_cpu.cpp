@@ -934,6 +934,98 @@ void cross_entropy_rows(T* rows, const int64_t* targets, int64_t ignore_index, i
   });
 }
 
+// A row of `n` values widened to fp32 and divided by `temperature` (`dst`): the scaled logits s of a log-prob row.
+template <typename T>
+void scaled_row(const T* src, float temperature, float* dst, int64_t n) {
+  using fVec = Vectorized<float>;
+  const fVec t_v(temperature);
+  int64_t i = 0;
+  if constexpr (std::is_same_v<T, float>) {
+    for (; i + fVec::size() <= n; i += fVec::size()) (fVec::loadu(src + i) / t_v).store(dst + i);
+  } else {
+    for (; i + Vectorized<T>::size() <= n; i += Vectorized<T>::size()) {
+      auto [a, b] = at::vec::convert_to_float<T>(Vectorized<T>::loadu(src + i));
+      (a / t_v).store(dst + i);
+      (b / t_v).store(dst + i + fVec::size());
+    }
+  }
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]) / temperature;
+}
+
+// lse = logsumexp(s) and sum(p s) of a row of scaled logits s: its max in one pass, the sums in a second.
+std::pair<float, float> lse_and_mean(const float* s, int64_t vocab) {
+  using fVec = Vectorized<float>;
+  const auto sum = [](fVec a, fVec b) { return a + b; };
+  fVec max_v(-std::numeric_limits<float>::infinity());
+  float peak = -std::numeric_limits<float>::infinity();
+  int64_t v = 0;
+  for (; v + fVec::size() <= vocab; v += fVec::size()) max_v = at::vec::maximum(max_v, fVec::loadu(s + v));
+  for (; v < vocab; ++v) peak = std::max(peak, s[v]);
+  peak = std::max(peak, at::vec::vec_reduce_all([](fVec a, fVec b) { return at::vec::maximum(a, b); }, max_v));
+  const fVec peak_v(peak);
+  fVec exp_v(0.0f), weighted_v(0.0f);
+  float exp_s = 0.0f, weighted_s = 0.0f;
+  for (v = 0; v + fVec::size() <= vocab; v += fVec::size()) {
+    const fVec x = fVec::loadu(s + v), e = (x - peak_v).exp();
+    exp_v = exp_v + e;
+    weighted_v = weighted_v + e * x;
+  }
+  for (; v < vocab; ++v) {
+    const float e = std::exp(s[v] - peak);
+    exp_s += e;
+    weighted_s += e * s[v];
+  }
+  const float sum_exp = exp_s + at::vec::vec_reduce_all(sum, exp_v);
+  return {peak + std::log(sum_exp), (weighted_s + at::vec::vec_reduce_all(sum, weighted_v)) / sum_exp};
+}
+
+template <typename T>
+void token_log_probs_rows(const T* rows, const int64_t* targets, int64_t ignore_index, int64_t count, int64_t vocab,
+                          float temperature, float* log_prob, float* entropy, float* lse) {
+  at::parallel_for(0, count, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> s(vocab);
+    for (int64_t r = begin; r < end; ++r) {
+      scaled_row(rows + r * vocab, temperature, s.data(), vocab);
+      const auto [row_lse, mean] = lse_and_mean(s.data(), vocab);
+      const bool ignored = targets[r] == ignore_index;
+      lse[r] = row_lse;
+      log_prob[r] = ignored ? 0.0f : s[targets[r]] - row_lse;
+      entropy[r] = ignored ? 0.0f : row_lse - mean;
+    }
+  });
+}
+
+template <typename T>
+void token_log_probs_grad_rows(T* rows, const int64_t* targets, int64_t ignore_index, int64_t count, int64_t vocab,
+                               float temperature, const float* lse, const float* entropy, const float* grad_log_prob,
+                               const float* grad_entropy) {
+  using fVec = Vectorized<float>;
+  at::parallel_for(0, count, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> s(vocab);
+    for (int64_t r = begin; r < end; ++r) {
+      T* row = rows + r * vocab;
+      if (targets[r] == ignore_index) {
+        std::fill(row, row + vocab, static_cast<T>(0.0f));
+        continue;
+      }
+      scaled_row(row, temperature, s.data(), vocab);
+      const float g_lp = grad_log_prob[r], g_h = grad_entropy ? grad_entropy[r] : 0.0f;
+      const fVec lse_v(lse[r]), h_v(entropy[r]), g_lp_v(g_lp), g_h_v(g_h);
+      int64_t v = 0;
+      for (; v + fVec::size() <= vocab; v += fVec::size()) {
+        const fVec log_p = fVec::loadu(s.data() + v) - lse_v, p = log_p.exp();
+        (p * (fVec(0.0f) - g_lp_v) - g_h_v * p * (log_p + h_v)).store(s.data() + v);
+      }
+      for (; v < vocab; ++v) {
+        const float log_p = s[v] - lse[r], p = std::exp(log_p);
+        s[v] = -g_lp * p - g_h * p * (log_p + entropy[r]);
+      }
+      s[targets[r]] += g_lp;
+      store_row(s.data(), 1.0f / temperature, row, vocab);
+    }
+  });
+}
+
 // Dropout: the Philox words of a block of counters computed structure-of-arrays (each round one loop over the
 // counters, which the compiler vectorizes), then the block's elements kept and scaled, or zeroed.
 constexpr int64_t kDropoutCounters = 256;  // 1024 elements per block
@@ -1307,24 +1399,49 @@ PhiloxSeed dropout_draw(const at::Tensor& x, double p, at::Tensor& out) {
   return seed;
 }
 
+// `run` on the logits' data, typed by their dtype (fp32, bf16, fp16).
+template <typename Run>
+void on_logit_rows(const char* op, const at::Tensor& logits, Run run) {
+  switch (logits.scalar_type()) {
+    case at::kFloat:
+      return run(logits.data_ptr<float>());
+    case at::kBFloat16:
+      return run(logits.data_ptr<at::BFloat16>());
+    case at::kHalf:
+      return run(logits.data_ptr<at::Half>());
+    default:
+      TORCH_CHECK_VALUE(false, op, ": unsupported logits dtype ", logits.scalar_type());
+  }
+}
+
 void cross_entropy_grad(at::Tensor& logits, const at::Tensor& target, int64_t ignore_index, double label_smoothing,
                         double softcap, const at::Tensor& row_scale, at::Tensor& loss) {
   const float* scales = row_scale.defined() ? row_scale.const_data_ptr<float>() : nullptr;
-  const auto run = [&](auto* rows) {
+  on_logit_rows("cross_entropy_grad", logits, [&](auto* rows) {
     cross_entropy_rows(rows, target.const_data_ptr<int64_t>(), ignore_index, logits.size(0), logits.size(1),
                        static_cast<float>(label_smoothing), static_cast<float>(softcap), scales,
                        loss.mutable_data_ptr<float>());
-  };
-  switch (logits.scalar_type()) {
-    case at::kFloat:
-      return run(logits.mutable_data_ptr<float>());
-    case at::kBFloat16:
-      return run(logits.mutable_data_ptr<at::BFloat16>());
-    case at::kHalf:
-      return run(logits.mutable_data_ptr<at::Half>());
-    default:
-      TORCH_CHECK_VALUE(false, "cross_entropy_grad: unsupported logits dtype ", logits.scalar_type());
-  }
+  });
+}
+
+void token_log_probs(const at::Tensor& logits, const at::Tensor& target, int64_t ignore_index, double temperature,
+                     at::Tensor& log_prob, at::Tensor& entropy, at::Tensor& lse) {
+  on_logit_rows("token_log_probs", logits, [&](auto* rows) {
+    token_log_probs_rows(rows, target.const_data_ptr<int64_t>(), ignore_index, logits.size(0), logits.size(1),
+                         static_cast<float>(temperature), log_prob.mutable_data_ptr<float>(),
+                         entropy.mutable_data_ptr<float>(), lse.mutable_data_ptr<float>());
+  });
+}
+
+void token_log_probs_grad(at::Tensor& logits, const at::Tensor& target, const at::Tensor& lse,
+                          const at::Tensor& entropy, const at::Tensor& grad_log_prob, const at::Tensor& grad_entropy,
+                          int64_t ignore_index, double temperature) {
+  on_logit_rows("token_log_probs_grad_", logits, [&](auto* rows) {
+    token_log_probs_grad_rows(rows, target.const_data_ptr<int64_t>(), ignore_index, logits.size(0), logits.size(1),
+                              static_cast<float>(temperature), lse.const_data_ptr<float>(),
+                              entropy.const_data_ptr<float>(), grad_log_prob.const_data_ptr<float>(),
+                              grad_entropy.defined() ? grad_entropy.const_data_ptr<float>() : nullptr);
+  });
 }
 
 }  // namespace lowmem

@@ -70,6 +70,18 @@ void norm_backward(const at::Tensor& grad, const at::Tensor& z, const at::Tensor
 void cross_entropy_grad(at::Tensor& logits, const at::Tensor& target, int64_t ignore_index, double label_smoothing,
                         double softcap, const at::Tensor& row_scale, at::Tensor& loss);
 
+// CPU only (per-token log-probs of a head, lightning_lowmem/ops/log_probs.py): of each row of `logits` (fp32, bf16 or
+// fp16, computed in fp32) scaled to s = logits / temperature, the target's log-prob s[target] - lse, the entropy
+// lse - sum(p s) and lse = logsumexp(s) (fp32 each); rows whose target is ignore_index get 0 and 0 (and their lse).
+void token_log_probs(const at::Tensor& logits, const at::Tensor& target, int64_t ignore_index, double temperature,
+                     at::Tensor& log_prob, at::Tensor& entropy, at::Tensor& lse);
+
+// CPU only: each row of `logits` overwritten with (g_lp (onehot(target) - p) - g_H p (log p + H)) / temperature, the
+// gradient of g_lp * log_prob + g_H * entropy (g_H: `grad_entropy`, 0 when undefined), rounded once; 0 on ignored rows.
+void token_log_probs_grad(at::Tensor& logits, const at::Tensor& target, const at::Tensor& lse,
+                          const at::Tensor& entropy, const at::Tensor& grad_log_prob, const at::Tensor& grad_entropy,
+                          int64_t ignore_index, double temperature);
+
 // CPU only (a norm with a frozen affine, lightning_lowmem/ops/norm.py): norm_forward writing y, not z, with y
 // rounded once from the unrounded z (as stock), and z at the `columns` (int64) of each row into `exact`
 // (rows x columns, y's dtype): those y cannot give z back.

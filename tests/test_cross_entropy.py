@@ -311,9 +311,9 @@ def test_the_cuda_backend_runs_its_heads_on_triton(monkeypatch):
 
     triton = _load_backend("triton", "cpu").module  # skips where Triton cannot run CPU tensors
     monkeypatch.setitem(kernels._CHOSEN, "cpu", "cuda")
-    assert kernels.cross_entropy_implementation(torch.device("cpu")) is triton
+    assert kernels.head_implementation(torch.device("cpu")) is triton
     monkeypatch.setitem(kernels._CHOSEN, "cpu", "cpp")
-    assert kernels.cross_entropy_implementation(torch.device("cpu")) is kernels.library.OPS
+    assert kernels.head_implementation(torch.device("cpu")) is kernels.library.OPS
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

@@ -362,7 +362,7 @@ def test_cuda_tensors_run_the_cuda_extension_by_default_and_triton_where_it_cann
     monkeypatch.delenv(kernels.ENV_VAR, raising=False)
     assert kernels.backend("cuda") == "cuda" and kernels.implementation(torch.device("cuda")) is library.OPS
     assert kernels.implementation(torch.device("cuda", 0)) is library.OPS  # what a tensor on the GPU runs
-    assert kernels.cross_entropy_implementation(torch.device("cuda")) is library.triton_operators(triton_ops)
+    assert kernels.head_implementation(torch.device("cuda")) is library.triton_operators(triton_ops)
     assert kernels.backend("cpu") == "cpp"
     built[0] = False
     kernels._choose.cache_clear()  # another process, where nvcc is missing

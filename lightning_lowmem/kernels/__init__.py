@@ -170,10 +170,10 @@ def implementation(device: torch.device) -> Any:
     return _IMPLEMENTATIONS[_chosen(_device_name(device))]
 
 
-def cross_entropy_implementation(device: torch.device) -> Any:
-    """What runs the cross-entropy step (``cross_entropy_grad_``) for tensors on ``device``: :func:`implementation`,
-    except that the CUDA C++ backend has no such kernel, so its heads run Triton's (where Triton can run; else the
-    reference)."""
+def head_implementation(device: torch.device) -> Any:
+    """What runs a head's row ops (``cross_entropy_grad_``, ``token_log_probs``, ``token_log_probs_grad_``) for
+    tensors on ``device``: :func:`implementation`, except that the CUDA C++ backend has no such kernels, so its heads
+    run Triton's (where Triton can run; else the reference)."""
     name = _chosen(_device_name(device))
     if name == "cuda":
         return _IMPLEMENTATIONS.get("triton") or _triton_operators(device) or torch_ops

@@ -57,9 +57,13 @@ AUTOGRAD_SCHEMAS = {
     "gated_activation": "(Tensor gate, Tensor up, str kind, bool recover_up, int slots) -> Tensor",
 }
 
-CPU_ONLY = ("norm_exact_columns", "norm_output_forward", "norm_output_backward", "cross_entropy_grad_")
+CPU_ONLY = (
+    "norm_exact_columns", "norm_output_forward", "norm_output_backward", "cross_entropy_grad_", "token_log_probs",
+    "token_log_probs_grad_",
+)  # fmt: skip
 """The operators the CUDA extension has no kernel for: on a GPU a frozen norm saves ``z`` (its exact columns would be
-counted on the host, :mod:`lightning_lowmem.ops.norm`), and a fused head runs Triton's cross-entropy."""
+counted on the host, :mod:`lightning_lowmem.ops.norm`), and a head's row ops run Triton's
+(:func:`lightning_lowmem.kernels.head_implementation`)."""
 
 
 class Declared:

@@ -208,7 +208,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         # per-row upstream gradients reach a weight only through each row: then the backward recomputes
         in_forward = reduction != "none" or not any(needs[1::2])
         chunks = HeadChunks(terms, bias, needs if in_forward else (False,) * len(needs), accum_dtype)
-        impl = kernels.cross_entropy_implementation(target.device)
+        impl = kernels.head_implementation(target.device)
         kept = (target != loss.ignore_index).sum()
         weights = loss.row_weights(target).sum() if loss.class_weight is not None else kept
         if reduction == "mean":  # nothing to learn (no kept row, zero weights): a NaN loss, as stock's, zero gradients
@@ -248,7 +248,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         if not in_forward:  # reduction "none" with a trainable weight or bias: each chunk again, scaled by row
             target, bias, *operands = ctx.saved_tensors
             chunks = HeadChunks(list(zip(operands[::2], operands[1::2])), bias, _needs(ctx))
-            impl = kernels.cross_entropy_implementation(target.device)
+            impl = kernels.head_implementation(target.device)
             for part in chunks:
                 logits = chunks.logits(part)
                 loss.step(impl, logits, target[part], upstream[part], upstream[part])

@@ -27,7 +27,7 @@ class LinearLogProbsFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, target, ignore_index, temperature, bias, hidden, weight):
         chunks = HeadChunks([(hidden, weight)], bias, (False, False, False))
-        impl = kernels.implementation(target.device)
+        impl = kernels.head_implementation(target.device)
         log_probs, entropy, lse = (hidden.new_empty(chunks.rows, dtype=torch.float32) for _ in range(3))
         for part in chunks:
             found = impl.token_log_probs(chunks.logits(part), target[part], ignore_index, temperature)
@@ -49,7 +49,7 @@ class LinearLogProbsFunction(torch.autograd.Function):
         if per_row[0] is None:
             per_row[0] = torch.zeros_like(lse)
         chunks = HeadChunks([(hidden, weight)], bias, needs, accum_dtype=torch.float32)
-        impl = kernels.implementation(target.device)
+        impl = kernels.head_implementation(target.device)
         for part in chunks:
             logits = chunks.logits(part)
             grad_entropy_part = None if per_row[1] is None else per_row[1][part]
