@@ -88,7 +88,8 @@ def test_main_job_prints_and_draws_the_comparison(capsys, tmp_path):
     assert summary["kernels"] == kernels.backend(device)
     assert f"{summary['device']}, lightning-lowmem kernels: {summary['kernels']}" in out
     acc = [100 * run["val_acc"][-1] for run in (base, low)]
-    assert re.search(rf"val acc %\s+{acc[0]:.1f}\s+{acc[1]:.1f}\s+{acc[1] - acc[0]:+.1f} pts", out)
+    figures = (re.escape(f"{value:{spec}}") for value, spec in zip((*acc, acc[1] - acc[0]), (".1f", ".1f", "+.1f")))
+    assert re.search(r"val acc %\s+{}\s+{}\s+{} pts".format(*figures), out)
     assert re.search(r"val loss\s+\S+\s+\S+\s+[+-]\d\.\d{3}\n", out)
     assert re.search(r"step ms, median\s+[\d.]+\s+[\d.]+\s+[+-][\d.]+%\nstep ms, IQR\s+[\d.]+-[\d.]+\s", out)
     # and the trained models' steps timed in alternation, 30 each

@@ -74,6 +74,17 @@ def test_masked_tokens_give_zero_and_no_gradient():
     assert (hidden.grad[ignored] == 0).all() and (hidden.grad[~ignored] != 0).any()
 
 
+def test_the_top1_is_whether_the_target_is_the_largest_logit(monkeypatch):
+    monkeypatch.setattr(cross_entropy, "chunk_rows", lambda *args: 7)
+    hidden, weight, target, b = inputs()
+    logits = F.linear(hidden, weight, b)
+    target[1, :5] = logits[1, :5].argmax(-1)  # some hits
+    log_probs, top1 = linear_log_probs(hidden, weight, target, b, return_top1=True)
+    expected = (logits.argmax(-1) == target) & (target != -100)
+    assert top1.dtype == torch.bool and torch.equal(top1, expected) and expected.sum() >= 5
+    assert not top1.requires_grad and log_probs.requires_grad
+
+
 def test_bf16_follows_stocks_bf16_logits():
     """bf16 hidden states and weight: the logits rounded to bf16 as stock's are before their ``.float()``."""
     hidden, weight, target, b = inputs(torch.bfloat16)

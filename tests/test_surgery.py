@@ -72,8 +72,11 @@ def converted(model: nn.Module, example, **options):
 
 
 def grads(model: nn.Module, example) -> dict[str, torch.Tensor]:
+    """A training step's gradients, from one seed: the stochastic depth a timm model keeps (Swin's DropPath) drops
+    the same paths in the stock and the converted model."""
     model.zero_grad(set_to_none=True)
     model.train()
+    torch.manual_seed(0)
     out = logits(model(example) if not isinstance(example, dict) else model(**example))
     (out.float() * torch.linspace(-1, 1, out.shape[-1])).square().sum().backward()
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from lightning_lowmem import kernels
-from lightning_lowmem.ops._checks import check_float_tensor, refuse_double_backward
+from lightning_lowmem.ops._checks import check_float_tensor, check_head, refuse_double_backward
 from lightning_lowmem.ops.autocast import autocast_dtype
 
 REDUCTIONS = ("mean", "sum", "none")
@@ -297,19 +297,9 @@ def linear_cross_entropy(
     the dtype the weight's gradient is accumulated in over the chunks (default fp32: its error does not grow with
     their number; ``None``: the compute dtype, no weight-sized fp32 buffer). ``return_accuracy``: also return the
     share of kept rows whose largest logit is their target's (no gradient)."""
-    check_float_tensor("linear_cross_entropy", hidden)
-    check_float_tensor("linear_cross_entropy", weight)
+    check_head("linear_cross_entropy", hidden, weight, target)
     if reduction not in REDUCTIONS:
         raise ValueError(f"linear_cross_entropy: reduction must be one of {REDUCTIONS}, got {reduction!r}")
-    if weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
-        raise ValueError(
-            f"linear_cross_entropy: hidden {tuple(hidden.shape)} and weight {tuple(weight.shape)} do not match"
-        )
-    if target.shape != hidden.shape[:-1] or target.dtype != torch.int64:
-        raise ValueError(
-            f"linear_cross_entropy: target must be int64 of shape {tuple(hidden.shape[:-1])}, got "
-            f"{tuple(target.shape)} {target.dtype}"
-        )
     if softcap is not None and not softcap > 0:
         raise ValueError(f"linear_cross_entropy: softcap must be positive, got {softcap}")
     operands = [hidden.reshape(-1, hidden.shape[-1]).contiguous(), weight]
