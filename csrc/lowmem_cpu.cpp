@@ -952,8 +952,9 @@ void scaled_row(const T* src, float temperature, float* dst, int64_t n) {
   for (; i < n; ++i) dst[i] = static_cast<float>(src[i]) / temperature;
 }
 
-// lse = logsumexp(s) and sum(p s) of a row of scaled logits s: its max in one pass, the sums in a second.
-std::pair<float, float> lse_and_mean(const float* s, int64_t vocab) {
+// lse = logsumexp(s) and the entropy lse - sum(p s) of a row of scaled logits s: its max in one pass, the sums in a
+// second, the entropy as log(sum) - sum(p (s - max)): no cancellation between two large numbers where the logits are.
+std::pair<float, float> lse_and_entropy(const float* s, int64_t vocab) {
   using fVec = Vectorized<float>;
   const auto sum = [](fVec a, fVec b) { return a + b; };
   fVec max_v(-std::numeric_limits<float>::infinity());
@@ -966,17 +967,17 @@ std::pair<float, float> lse_and_mean(const float* s, int64_t vocab) {
   fVec exp_v(0.0f), weighted_v(0.0f);
   float exp_s = 0.0f, weighted_s = 0.0f;
   for (v = 0; v + fVec::size() <= vocab; v += fVec::size()) {
-    const fVec x = fVec::loadu(s + v), e = (x - peak_v).exp();
+    const fVec x = fVec::loadu(s + v) - peak_v, e = x.exp();
     exp_v = exp_v + e;
     weighted_v = weighted_v + e * x;
   }
   for (; v < vocab; ++v) {
-    const float e = std::exp(s[v] - peak);
+    const float x = s[v] - peak, e = std::exp(x);
     exp_s += e;
-    weighted_s += e * s[v];
+    weighted_s += e * x;
   }
-  const float sum_exp = exp_s + at::vec::vec_reduce_all(sum, exp_v);
-  return {peak + std::log(sum_exp), (weighted_s + at::vec::vec_reduce_all(sum, weighted_v)) / sum_exp};
+  const float sum_exp = exp_s + at::vec::vec_reduce_all(sum, exp_v), log_sum = std::log(sum_exp);
+  return {peak + log_sum, log_sum - (weighted_s + at::vec::vec_reduce_all(sum, weighted_v)) / sum_exp};
 }
 
 template <typename T>
@@ -986,11 +987,11 @@ void token_log_probs_rows(const T* rows, const int64_t* targets, int64_t ignore_
     std::vector<float> s(vocab);
     for (int64_t r = begin; r < end; ++r) {
       scaled_row(rows + r * vocab, temperature, s.data(), vocab);
-      const auto [row_lse, mean] = lse_and_mean(s.data(), vocab);
+      const auto [row_lse, row_entropy] = lse_and_entropy(s.data(), vocab);
       const bool ignored = targets[r] == ignore_index;
       lse[r] = row_lse;
       log_prob[r] = ignored ? 0.0f : s[targets[r]] - row_lse;
-      entropy[r] = ignored ? 0.0f : row_lse - mean;
+      entropy[r] = ignored ? 0.0f : row_entropy;
     }
   });
 }

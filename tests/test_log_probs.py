@@ -127,11 +127,13 @@ def test_only_the_log_probs_or_only_the_entropy_train():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("vocab", [40, 5000], ids=["one_block", "blocks"])
 @pytest.mark.parametrize("entropy", [True, False], ids=["entropy", "log_probs_only"])
-def test_every_backend_computes_the_reference(kernel_backend, dtype, vocab, entropy):
-    """The ops as each compiled backend runs them (Triton's kernels; where a backend has none, the reference by the
-    dispatcher): the values to fp32 rounding, the gradient chunks to one rounding in their dtype."""
+@pytest.mark.parametrize("scale", [3.0, 2000.0], ids=["logits", "logits_in_the_thousands"])
+def test_every_backend_computes_the_reference(kernel_backend, dtype, vocab, entropy, scale):
+    """The ops as each compiled backend runs them (C++, Triton): the values to fp32 rounding (the entropy of a peaked
+    row too: the kernels sum ``p (s - max)``, no cancellation of large numbers), the gradient chunks to one rounding
+    in their dtype."""
     device = kernel_backend.device
-    logits = (3 * torch.randn(6, vocab, device=device)).to(dtype)
+    logits = (scale * torch.randn(6, vocab, device=device)).to(dtype)
     target = torch.tensor([1, 2, -100, vocab - 1, 0, 5], device=device)
     found = kernel_backend.module.token_log_probs(logits, target, -100, 0.7)
     for a, s in zip(found, torch_ops.token_log_probs(logits, target, -100, 0.7)):
@@ -229,3 +231,29 @@ def test_the_dpo_example_trains_with_stocks_losses_under_lowmem_bp():
     assert stock[0] == pytest.approx(0.693147, abs=1e-6)  # the policy is the reference at the start: log 2
     assert converted == pytest.approx(stock, abs=1e-5) and converted[-1] < converted[0]
     assert dpo.train(2, lowmem=True)[-1] < 0.6931
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["every_row_ignored", "extreme_logits", "one_class", "no_rows"],
+)
+def test_edge_cases_as_the_peers_test_them(case):
+    """TRL's and Liger's edge cases for log-probs of a head: nothing to score (zeros, zero gradients, no NaN),
+    logits in the thousands (the log-sum-exp's shift), a single class (log-prob 0, entropy 0), no rows at all."""
+    hidden, weight, target, b = inputs()
+    if case == "every_row_ignored":
+        target.fill_(-100)
+    elif case == "extreme_logits":
+        weight = (weight.detach() * 500).requires_grad_()
+    elif case == "one_class":
+        weight, b, target = weight[:1].detach().requires_grad_(), None, torch.zeros_like(target)
+    else:
+        hidden, target = hidden[:0].detach().requires_grad_(), target[:0]
+    log_probs, entropy = linear_log_probs(hidden, weight, target, b, return_entropy=True)
+    expected = stock(hidden, weight, target, b)
+    torch.testing.assert_close(log_probs, expected[0], rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(entropy, expected[1], rtol=1e-5, atol=1e-4)
+    (log_probs.sum() + entropy.sum()).backward()
+    assert torch.isfinite(hidden.grad).all() and torch.isfinite(weight.grad).all()
+    if case in ("every_row_ignored", "one_class"):
+        assert (log_probs == 0).all() and (entropy == 0).all() and (hidden.grad == 0).all()

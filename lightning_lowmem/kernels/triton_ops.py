@@ -421,8 +421,9 @@ def _cross_entropy_grad_kernel(
 def _token_log_probs_kernel(
     logits_ptr, target_ptr, log_prob_ptr, entropy_ptr, lse_ptr, vocab, ignore_index, temperature, BLOCK: tl.constexpr
 ):
-    # One row per program, one pass: the online max, sum of exponentials and exponential-weighted sum of the scaled
-    # logits s; then lse = max + log(sum), the entropy lse - sum(p s) and the target's s - lse.
+    # One row per program, one pass: the online max m, sum of exponentials and exponential-weighted sum of s - m (the
+    # scaled logits s, shifted: no cancellation of large numbers); then lse = m + log(sum), the entropy log(sum) -
+    # sum(p (s - m)) and the target's s - lse.
     row_ptr = logits_ptr + tl.program_id(0).to(tl.int64) * vocab
     target = tl.load(target_ptr + tl.program_id(0))
     cols = tl.arange(0, BLOCK)
@@ -435,9 +436,10 @@ def _token_log_probs_kernel(
         x = tl.where(inside, x, float("-inf"))
         new_peak = tl.maximum(peak, tl.max(x, 0))
         shrink = tl.exp(peak - new_peak)
+        moved = tl.where(sum_exp > 0, (weighted + (peak - new_peak) * sum_exp) * shrink, 0.0)  # to the new max
         e = tl.exp(x - new_peak)
         sum_exp = sum_exp * shrink + tl.sum(e, 0)
-        weighted = weighted * shrink + tl.sum(tl.where(inside, e * x, 0.0), 0)
+        weighted = moved + tl.sum(tl.where(inside, e * (x - new_peak), 0.0), 0)
         peak = new_peak
     lse = peak + tl.log(sum_exp)
     tl.store(lse_ptr + tl.program_id(0), lse)
@@ -447,7 +449,7 @@ def _token_log_probs_kernel(
     else:
         picked = tl.load(row_ptr + target).to(tl.float32) / temperature
         tl.store(log_prob_ptr + tl.program_id(0), picked - lse)
-        tl.store(entropy_ptr + tl.program_id(0), lse - weighted / sum_exp)
+        tl.store(entropy_ptr + tl.program_id(0), tl.log(sum_exp) - weighted / sum_exp)
 
 
 @triton.jit

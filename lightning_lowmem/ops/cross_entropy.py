@@ -113,10 +113,14 @@ class HeadChunks:
             self.sums[index].add_(torch.mm(grad_t, inputs))
 
     def grads(self, operands: tuple[torch.Tensor, ...], bias: torch.Tensor | None) -> list[torch.Tensor | None]:
-        """The gradient of each operand (inputs and weights, in their dtypes), then the bias's."""
+        """The gradient of each operand (inputs and weights, in their dtypes), then the bias's: zeros for one that
+        needs a gradient and had no row (an empty batch), as stock's."""
         found = [self.input_grads[k // 2] if k % 2 == 0 else self.sums[k] for k in range(len(operands))]
-        grads = [None if g is None else g.to(t.dtype) for g, t in zip(found, operands)]
-        return [*grads, None if self.sums[-1] is None else self.sums[-1].to(bias.dtype)]
+        found.append(self.sums[-1])
+        return [
+            (torch.zeros_like(t) if need else None) if g is None else g.to(t.dtype)
+            for g, t, need in zip(found, (*operands, bias), self.needs)
+        ]
 
 
 def _scaled(grad: torch.Tensor | None, upstream: torch.Tensor) -> torch.Tensor | None:
