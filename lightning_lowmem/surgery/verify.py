@@ -102,7 +102,9 @@ class _StockDropoutOff(TorchFunctionMode):
         if func in self._DROPOUTS:
             return args[0] if args else kwargs["input"]
         if func is F.scaled_dot_product_attention:  # (query, key, value, attn_mask, dropout_p, ...)
-            args, kwargs = (args[:4] + (0.0,) + args[5:], kwargs) if len(args) > 4 else (args, {**kwargs, "dropout_p": 0.0})
+            args, kwargs = (
+                (args[:4] + (0.0,) + args[5:], kwargs) if len(args) > 4 else (args, {**kwargs, "dropout_p": 0.0})
+            )
         return func(*args, **kwargs)
 
 
@@ -143,7 +145,9 @@ def _project(grad: torch.Tensor, index: int) -> torch.Tensor:
     flat = grad.detach().reshape(-1)
     total = torch.zeros(_PROJECTIONS, dtype=torch.float64, device=grad.device)
     for chunk in flat.split(_CHUNK):
-        directions = torch.randn(_PROJECTIONS, chunk.numel(), generator=generator, device=grad.device, dtype=torch.float32)
+        directions = torch.randn(
+            _PROJECTIONS, chunk.numel(), generator=generator, device=grad.device, dtype=torch.float32
+        )
         total += (directions @ chunk.float()).double()
     return total.cpu()
 
@@ -212,7 +216,9 @@ def gradient_errors(reference: TrainingStep, step: TrainingStep) -> dict[str, fl
         for name, projected in reference.projections.items()
         if name in step.projections
     }
-    errors |= {name: float((step.kept[name] - kept).norm()) for name, kept in reference.kept.items() if name in step.kept}
+    errors |= {
+        name: float((step.kept[name] - kept).norm()) for name, kept in reference.kept.items() if name in step.kept
+    }
     return errors
 
 
@@ -225,8 +231,10 @@ def approximation_error(reference: TrainingStep, step: TrainingStep) -> float:
 
 def compare(reference: TrainingStep, step: TrainingStep, tolerance: float) -> str | None:
     """How the (converted) model's training step differs from the stock one's beyond the tolerance, in figures, or
-    None: the loss or outputs within ``tolerance``, each gradient within ``10 * tolerance`` (at most 0.1) of its norm
-    (or of ``tolerance`` times the largest one's)."""
+    None: the loss or outputs within ``tolerance``, each gradient within ``10 * tolerance`` (at most 0.1) of its norm,
+    or of ``10 * tolerance`` times the largest one's: a gradient that is 0 but for rounding (a bias before a
+    BatchNorm, which removes it) is rounding noise in stock's step too (MobileViT: 1.5e-14 in fp64, stock's 6.9e-6,
+    converted 8.4e-6, beside a largest norm of 44), and differs by 100% without anything computing otherwise."""
     if reference.loss is not None:
         if step.loss is None:
             return "no loss where the stock model returns one"
@@ -246,7 +254,7 @@ def compare(reference: TrainingStep, step: TrainingStep, tolerance: float) -> st
     largest, relative = max(reference.norms.values(), default=0.0), min(10 * tolerance, 0.1)
     for name, error in gradient_errors(reference, step).items():
         norm = reference.norms[name]
-        if error > relative * max(norm, tolerance * largest, 1e-12):
+        if error > relative * max(norm, relative * largest, 1e-12):
             return f"gradient of {name}: {error / max(norm, 1e-30):.3g} off stock's (relative, norm {norm:.3g})"
     return None
 
