@@ -147,6 +147,25 @@ def test_every_backend_computes_the_reference(kernel_backend, dtype, vocab, entr
     assert (grads[0][2] == 0).all()  # the ignored row
 
 
+def test_an_out_of_bounds_target_asserts_on_the_device_under_triton(monkeypatch):
+    """The GPU's side of the target check, forced on the CPU through Triton's interpreter: the kernels' wrappers do
+    not read targets back to the host (a device-side assert, as stock's cross-entropy), the reference on a CPU tensor
+    names the target."""
+    triton_ops = pytest.importorskip("lightning_lowmem.kernels.triton_ops")
+    if not triton_ops.INTERPRETED:
+        pytest.skip("a GPU: the assert fires asynchronously")
+    asserted = []
+    monkeypatch.setattr(torch, "_assert_async", lambda condition, message: asserted.append((bool(condition), message)))
+    logits, target = torch.randn(3, 40), torch.tensor([1, 40, -100])
+    triton_ops.token_log_probs(logits, target, -100, 1.0)
+    triton_ops.token_log_probs_grad_(logits.clone(), target, *[torch.zeros(3)] * 3, None, -100, 1.0)
+    assert asserted == [(False, "token_log_probs: a target is out of bounds for 40 classes")] + [
+        (False, "token_log_probs_grad_: a target is out of bounds for 40 classes")
+    ]
+    with pytest.raises(IndexError, match="token_log_probs: target 40 is out of bounds for 40 classes"):
+        torch_ops.token_log_probs(logits, target, -100, 1.0)
+
+
 def test_bad_input_gets_a_clear_error():
     hidden, weight, target, _ = inputs()
     with pytest.raises(ValueError, match="temperature must be positive"):

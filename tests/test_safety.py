@@ -266,6 +266,19 @@ def test_a_conversion_leaves_the_random_number_generator_as_it_found_it(when):
     assert report.converted
 
 
+def test_a_conversion_leaves_the_generators_of_the_models_gpus_alone():
+    """The GPU side of the generators a conversion restores: every CUDA device the model's parameters are on."""
+    from types import SimpleNamespace
+
+    class OnTwoGpus(nn.Module):
+        def parameters(self, recurse: bool = True):
+            devices = ("cuda:1", "cpu", "cuda:0", "cuda:1")
+            return iter([SimpleNamespace(device=torch.device(device)) for device in devices])
+
+    assert apply_module.gpus_of(OnTwoGpus()) == [0, 1]
+    assert apply_module.gpus_of(tiny_llama()) == []
+
+
 @pytest.mark.parametrize("figures", ["kept whole", "projected"])
 def test_the_training_check_turns_every_dropout_off_and_compares_to_rounding(monkeypatch, figures):
     """Stock dropouts (modules, ``F.dropout``, SDPA's ``dropout_p``) and the seeded ones are the identity in the check's

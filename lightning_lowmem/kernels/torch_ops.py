@@ -632,10 +632,17 @@ def cross_entropy_grad_(
 
 
 def check_log_probs(
-    op: str, logits: torch.Tensor, target: torch.Tensor, ignore_index: int, temperature: float, *per_row: object
+    op: str,
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    ignore_index: int,
+    temperature: float,
+    *per_row: object,
+    host: bool,
 ) -> None:
-    """The checks every backend of the log-prob ops runs: rows of logits, their targets, a positive temperature and
-    ``per_row`` (name, values) pairs of one fp32 value per row (or None)."""
+    """The checks every backend of the log-prob ops runs: rows of logits, their targets (out of bounds: as
+    :func:`check_targets` says, by ``host``), a positive temperature and ``per_row`` (name, values) pairs of one fp32
+    value per row (or None)."""
     check_logit_rows(op, logits, target)
     if not temperature > 0:
         raise ValueError(f"{op}: temperature must be positive, got {temperature}")
@@ -644,7 +651,7 @@ def check_log_probs(
             raise ValueError(
                 f"{op}: {name} must be {len(target)} float32 values, got {tuple(values.shape)} {values.dtype}"
             )
-    check_targets(op, logits, target, ignore_index, host=logits.is_cpu)
+    check_targets(op, logits, target, ignore_index, host)
 
 
 def _token_log_probs_fake(logits: torch.Tensor, *args: object) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -662,7 +669,7 @@ def token_log_probs(
     whatever the logits' dtype. A row whose target is ``ignore_index`` gives 0 for both (its ``lse`` is still
     computed). One chunk of a fused linear + log-probs head (:func:`lightning_lowmem.ops.linear_log_probs`): what
     its backward needs of a row (``lse``, the entropy), and not its logits."""
-    check_log_probs("token_log_probs", logits, target, ignore_index, temperature)
+    check_log_probs("token_log_probs", logits, target, ignore_index, temperature, host=logits.is_cpu)
     rows = logits.float() / temperature
     lse = torch.logsumexp(rows, dim=1)
     log_p = rows.sub_(lse.unsqueeze(1))
@@ -706,6 +713,7 @@ def token_log_probs_grad_(
         ignore_index,
         temperature,
         *grad_rows(lse, entropy, grad_log_prob, grad_entropy),
+        host=logits.is_cpu,
     )
     rows = logits.float() / temperature
     ignored = target == ignore_index

@@ -823,7 +823,7 @@ def cross_entropy_grad_(
 def token_log_probs(
     logits: torch.Tensor, target: torch.Tensor, ignore_index: int, temperature: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    torch_ops.check_log_probs("token_log_probs", logits, target, ignore_index, temperature)
+    torch_ops.check_log_probs("token_log_probs", logits, target, ignore_index, temperature, host=False)
     log_prob, entropy, lse = (torch.empty(len(target), dtype=torch.float32, device=logits.device) for _ in range(3))
     if logits.numel() == 0:
         return log_prob.zero_(), entropy.zero_(), lse.fill_(float("-inf"))
@@ -847,7 +847,7 @@ def token_log_probs_grad_(
     temperature: float,
 ) -> None:
     per_row = torch_ops.grad_rows(lse, entropy, grad_log_prob, grad_entropy)
-    torch_ops.check_log_probs("token_log_probs_grad_", logits, target, ignore_index, temperature, *per_row)
+    torch_ops.check_log_probs("token_log_probs_grad_", logits, target, ignore_index, temperature, *per_row, host=False)
     if logits.numel() == 0:
         return
     block, warps = cross_entropy_settings(logits.shape[1], logits.dtype)

@@ -369,9 +369,13 @@ def run(report: LowMemReport, model: nn.Module, options: Options, example: Any) 
     budget, undoing every change if anything raises. Returns the applied surgery. The random number generators of
     the CPU and of the model's GPUs are left as they were: the probing steps draw from them (dropout masks, seeds),
     and a conversion must not move the draws of the training that follows (its shuffling, dropout, sampling)."""
-    gpus = sorted({t.device.index for t in model.parameters() if t.device.type == "cuda"})
-    with torch.random.fork_rng(devices=gpus):
+    with torch.random.fork_rng(devices=gpus_of(model)):
         return _run(report, model, options, example)
+
+
+def gpus_of(model: nn.Module) -> list[int]:
+    """The indices of the CUDA devices ``model``'s parameters are on (whose generators a conversion leaves alone)."""
+    return sorted({t.device.index for t in model.parameters() if t.device.type == "cuda"})
 
 
 def _run(report: LowMemReport, model: nn.Module, options: Options, example: Any) -> Surgery:
