@@ -621,9 +621,7 @@ def check_conversion(model: nn.Module, example: Any, **options: Any) -> Outcome:
     if missing := unreported(stock, report):
         problems.append(f"unreported: {', '.join(missing[:3])}")
     head = next((f"{e.status}: {e.detail}" for e in report.entries if e.kind == "head"), "")
-    return Outcome(
-        "differs" if problems else "exact", problems, len(report.converted), len(report.left_alone), head
-    )
+    return Outcome("differs" if problems else "exact", problems, len(report.converted), len(report.left_alone), head)
 
 
 def _cases(tasks: tuple[str, ...], timm_models: bool) -> list[tuple[str, str, Callable[[], tuple[nn.Module, Any]]]]:
@@ -656,7 +654,9 @@ def main() -> None:
     parser.add_argument("--only", default="", help="a substring of the model names to run")
     parser.add_argument("--no-timm", action="store_true")
     parser.add_argument("--write", action="store_true", help="write the table into benchmarks/RESULTS.md")
-    parser.add_argument("--from-log", type=Path, help="the table of a run's printed lines (a run cut short)")
+    parser.add_argument(
+        "--from-log", type=Path, help="a cut-short run's printed lines: its cases are taken from there, the rest run"
+    )
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     import transformers
@@ -665,13 +665,14 @@ def main() -> None:
     rows, counts, start = [], Counter(), time.time()
     cases = _cases(TASKS, not args.no_timm)
     total = sum(1 + ("(causal-lm)" in name) for _, name, _ in cases if args.only in name)
+    done = set()
     if args.from_log is not None:
-        cases = []
         for line in args.from_log.read_text().splitlines():
             if found := re.match(r"\s*\d+s (\w+)\s+(.+?)( \+ LoRA)?: (.*)$", line):
                 status, name, adapters, problems = found.groups()
                 library = "transformers" if re.search(r"\((causal-lm|\S+-classification)\)$", name) else "timm"
                 counts[(library, bool(adapters), status)] += 1
+                done.add(f"{name}{adapters or ''}")
                 if status in ("differs", "crash"):
                     rows.append([f"{name}{adapters or ''}", status, problems])
     for library, name, build in cases:
@@ -679,6 +680,9 @@ def main() -> None:
             continue
         for adapters in (False, True):
             if adapters and "(causal-lm)" not in name:  # LoRA on the causal LMs, where the head is in play
+                continue
+            label = f"{name}{' + LoRA' if adapters else ''}"
+            if label in done:
                 continue
             try:
                 model, example = build()
@@ -691,7 +695,6 @@ def main() -> None:
             model = example = None
             gc.collect()  # each case's models go before the next is built
             counts[(library, adapters, outcome.status)] += 1
-            label = f"{name}{' + LoRA' if adapters else ''}"
             print(f"{time.time() - start:7.0f}s {outcome.status:8} {label}: {'; '.join(outcome.problems)}", flush=True)
             if outcome.status in ("differs", "crash"):
                 rows.append([label, outcome.status, "; ".join(outcome.problems)])
