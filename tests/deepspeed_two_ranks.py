@@ -1,8 +1,9 @@
 """One rank of ``test_deepspeed.py``'s two-process run (torchrun, gloo, DeepSpeed's CPU accelerator):
 ``deepspeed_two_ranks.py OUT`` trains a tiny LLaMA three steps under ZeRO-2 and ZeRO-3, stock and converted by
-``apply_lowmem`` before ``deepspeed.initialize`` (the fused head kept: 4 x 64 tokens), and converts an engine's
-partitioned module after it; rank 0 writes every step's loss and full gradients' norms, the kinds converted and what
-the conversion after the engine did to OUT (JSON)."""
+``apply_lowmem`` before ``deepspeed.initialize`` (the fused head kept: 4 x 64 tokens), converted after it (the
+engine's module, partitioned under ZeRO-3) and, under ZeRO-3, converted after ``deepspeed.zero.Init`` partitioned it
+(as ``from_pretrained`` does under a zero3 config); rank 0 writes every step's loss and full gradients' norms and the
+kinds converted to OUT (JSON)."""
 
 import importlib
 import json
@@ -22,11 +23,14 @@ STEPS = 3
 importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
 
 
+def config_of(stage: int) -> dict:
+    return {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": stage},
+            "zero_allow_untested_optimizer": True}  # fmt: skip
+
+
 def engine_of(model: torch.nn.Module, stage: int):
-    config = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": stage},
-              "zero_allow_untested_optimizer": True}  # fmt: skip
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    return deepspeed.initialize(model=model, optimizer=optimizer, config=config)[0]
+    return deepspeed.initialize(model=model, optimizer=optimizer, config=config_of(stage))[0]
 
 
 def train(engine, batch) -> list[list[float]]:
@@ -58,14 +62,20 @@ def main(out: str) -> None:
         result[f"zero{stage}"] = runs
         torch.manual_seed(0)
         engine = engine_of(zoo.llama(), stage)  # converted after the engine partitioned it (ZeRO-3) or not
-        kinds = [type(m).__name__ for m in engine.module.modules()]
-        try:
-            report = apply_lowmem(engine.module, example_input=batch)
-            result[f"after-{stage}"] = {"converted": sorted({e.kind for e in report.converted}),
-                                        "losses": [step[0] for step in train(engine, batch)]}  # fmt: skip
-        except ValueError as err:
-            unchanged = kinds == [type(m).__name__ for m in engine.module.modules()]
-            result[f"after-{stage}"] = {"error": str(err), "unchanged": unchanged}
+        report = apply_lowmem(engine.module, example_input=batch)
+        result[f"after-{stage}"] = {
+            "converted": sorted({e.kind for e in report.converted}),
+            "steps": train(engine, batch),
+        }
+    runs = {}
+    for lowmem in (False, True):
+        torch.manual_seed(0)
+        with deepspeed.zero.Init(config_dict_or_path=config_of(3)):  # partitioned as it is built, no engine yet
+            model = zoo.llama()
+        if lowmem:
+            runs["converted"] = sorted({e.kind for e in apply_lowmem(model, example_input=batch).converted})
+        runs["steps" if lowmem else "stock"] = train(engine_of(model, 3), batch)
+    result["init-3"] = runs
     if torch.distributed.get_rank() == 0:
         Path(out).write_text(json.dumps(result))
     torch.distributed.barrier()

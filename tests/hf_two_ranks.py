@@ -23,8 +23,12 @@ def main(trainer: str, out: str) -> None:
             if trainer != "Trainer":  # DeepSpeed; its shared-memory op takes minutes to build, gloo does the work
                 importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
                 zero = {"stage": int(trainer[-1])}
-                arguments["deepspeed"] = {"train_micro_batch_size_per_gpu": "auto", "zero_optimization": zero,
-                                          "gradient_accumulation_steps": "auto", "zero_allow_untested_optimizer": True}
+                arguments["deepspeed"] = {
+                    "train_micro_batch_size_per_gpu": "auto",
+                    "zero_optimization": zero,
+                    "gradient_accumulation_steps": "auto",
+                    "zero_allow_untested_optimizer": True,
+                }
             stock, _ = train(Path(scratch), [], **arguments)
             lowmem, _ = train(Path(scratch), [callback], **arguments)
         else:

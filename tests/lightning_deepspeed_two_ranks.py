@@ -1,6 +1,6 @@
 """One rank of ``test_deepspeed.py``'s Lightning run (torchrun, gloo, DeepSpeed's CPU accelerator):
 ``lightning_deepspeed_two_ranks.py OUT`` fits a tiny LLaMA three steps under ``DeepSpeedStrategy`` stage 2 and 3,
-stock and with ``LowMemBP`` (on ``example_input_array``); rank 0 writes the losses and the kinds converted to OUT
+stock and with ``LowMemBP`` (on ``example_input_array``, and under stage 3 on the first batch too); rank 0 writes the losses and the kinds converted to OUT
 (JSON). Lightning's strategy refuses a CPU accelerator: a subclass here steps past that check alone."""
 
 import importlib
@@ -45,11 +45,11 @@ class CPUDeepSpeed(DeepSpeedStrategy):
 
 
 class TinyLlama(pl.LightningModule):
-    def __init__(self, batch: dict[str, torch.Tensor]) -> None:
+    def __init__(self, batch: dict[str, torch.Tensor], example: bool) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.model, self.batch, self.losses = zoo.llama(), batch, []
-        self.example_input_array = {"batch": batch}
+        self.example_input_array = {"batch": batch} if example else None
 
     def forward(self, batch: dict[str, torch.Tensor]):
         return self.model(**batch)
@@ -66,9 +66,9 @@ class TinyLlama(pl.LightningModule):
         return [0] * STEPS
 
 
-def fit(stage: int, lowmem: bool) -> tuple[list[float], list[str]]:
+def fit(stage: int, lowmem: bool, example: bool = True) -> tuple[list[float], list[str]]:
     ids = torch.randint(3, zoo.VOCAB, (4, 64), generator=torch.Generator().manual_seed(1))
-    module, callback = TinyLlama({"input_ids": ids, "labels": ids}), LowMemBP()
+    module, callback = TinyLlama({"input_ids": ids, "labels": ids}, example), LowMemBP()
     strategy = CPUDeepSpeed(stage=stage, process_group_backend="gloo", config={
         "train_micro_batch_size_per_gpu": 1, "zero_allow_untested_optimizer": True,
         "zero_optimization": {"stage": stage}})  # fmt: skip
@@ -86,6 +86,8 @@ def main(out: str) -> None:
         stock, _ = fit(stage, lowmem=False)
         lowmem, converted = fit(stage, lowmem=True)
         result[f"zero{stage}"] = {"stock": stock, "lowmem": lowmem, "converted": converted}
+    lowmem, converted = fit(3, lowmem=True, example=False)  # converted at the first batch, inside the engine
+    result["zero3-first-batch"] = {"stock": result["zero3"]["stock"], "lowmem": lowmem, "converted": converted}
     if torch.distributed.get_rank() == 0:
         Path(out).write_text(json.dumps(result))
 

@@ -414,7 +414,9 @@ def test_llama_mlp_with_lora_saves_the_formula(x_dtype):
     model = copy.deepcopy(stock)
     report = apply_lowmem(model, norm=False)
     assert report.status("base_model.model.mlp") == "converted"
-    exceptions = (exception_bytes((48, intermediate), torch.bfloat16) - exception_bytes((16, intermediate), torch.bfloat16)) / 32
+    exceptions = (
+        exception_bytes((48, intermediate), torch.bfloat16) - exception_bytes((16, intermediate), torch.bfloat16)
+    ) / 32
     assert bytes_per_token(model, hidden, x_dtype) == 4 * intermediate + 2 * hidden + 3 * 2 * rank + exceptions
     assert bytes_per_token(stock, hidden, x_dtype) >= 8 * intermediate
 
@@ -539,7 +541,9 @@ def test_packed_glu_saves_a_copy_of_the_gate_not_both_halves():
         return (totals[1] - totals[0]) / 16
 
     assert per_token(stock) == 4 * hidden + 16 * intermediate
-    exceptions = (exception_bytes((24, intermediate), torch.float32) - exception_bytes((8, intermediate), torch.float32)) / 16
+    exceptions = (
+        exception_bytes((24, intermediate), torch.float32) - exception_bytes((8, intermediate), torch.float32)
+    ) / 16
     assert per_token(model) == 4 * hidden + 8 * intermediate + exceptions
 
 

@@ -115,7 +115,9 @@ def test_qlora_nf4_saves_what_the_formula_says_outside_attention(tmp_path):
         model(x)
     rows = x.numel()
     norms = (2 * LAYERS + 1) * (rows * HIDDEN * 2 + rows * 4) - rows * 4
-    mlps = LAYERS * (2 * rows * INTERMEDIATE * 2 + exception_bytes((rows, INTERMEDIATE), torch.bfloat16))  # + up where act is 0
+    mlps = LAYERS * (
+        2 * rows * INTERMEDIATE * 2 + exception_bytes((rows, INTERMEDIATE), torch.bfloat16)
+    )  # + up where act is 0
     lora_b = LAYERS * len(ALL_LINEARS) * rows * RANK * 2
     outside_attention = sum(r.nbytes for r in meter.records if not r.module.endswith("self_attn"))
     assert outside_attention == norms + mlps + lora_b

@@ -19,13 +19,6 @@ from transformers import TrainerCallback
 from lightning_lowmem.surgery import CallArgs, LowMemReport, Options, apply_lowmem, convert_at_first_forward
 from lightning_lowmem.surgery.deferred import rank_zero_call
 from lightning_lowmem.surgery.options import takes_options
-from lightning_lowmem.surgery.zero3 import partitioned
-
-PARTITIONED = (
-    "the callback converts nothing: DeepSpeed ZeRO-3 partitioned the model's parameters before training (the surgery cannot "
-    "convert a partitioned model yet); under ZeRO stage 1 or 2 it converts, and so does apply_lowmem(model, "
-    "example_input=...) on the model before the Trainer builds the engine, where from_pretrained ran without zero3"
-)
 
 
 @takes_options
@@ -49,11 +42,6 @@ class LowMemCallback(TrainerCallback):
         if model is None:
             raise RuntimeError("LowMemCallback: the Trainer passed no model to on_train_begin")
         self._print = state.is_world_process_zero
-        if partitioned(model):  # DeepSpeed ZeRO-3 partitioned it (from_pretrained under zero3, or the Trainer's engine)
-            self.report = LowMemReport(notes=[PARTITIONED])
-            if self._print:
-                print(f"LowMemCallback: {PARTITIONED}", flush=True)
-            return
         self.report = convert_at_first_forward(model, lambda call: self._convert(model, call))
 
     def _convert(self, model: nn.Module, call: CallArgs) -> None:

@@ -12,9 +12,9 @@ Parameters keep their identity, so the optimizers and the DDP wrapper created me
 working; every rank converts on rank 0's input, so all ranks decide alike. FSDP2 (``fully_shard``
 in ``configure_model``) has sharded the model by then: its records of the parameters follow the
 replaced modules (:mod:`~lightning_lowmem.surgery.fsdp`). FSDP1 (``FSDPStrategy``) flattens the
-parameters when it wraps the model, so there the surgery must run before, on ``example_input_array``; so under
-DeepSpeed ZeRO-3 (``DeepSpeedStrategy(stage=3)``), which partitions the parameters when it builds its engine (and
-those ``configure_model`` makes, as it makes them: build the model in ``__init__``). ZeRO stages 1 and 2 keep the
+parameters when it wraps the model, so there the surgery must run before, on ``example_input_array``. DeepSpeed ZeRO-3
+(``DeepSpeedStrategy(stage=3)``) partitions the parameters when it builds its engine: the surgery at the first batch
+makes the model whole for its duration (:mod:`~lightning_lowmem.surgery.zero3`). ZeRO stages 1 and 2 keep the
 parameters whole: the surgery runs as under DDP. Precision stays DeepSpeed's (``LowMemPrecision`` refuses it).
 """
 
@@ -56,8 +56,8 @@ class LowMemBP(Callback):
 
     Strategies: DDP; FSDP2 (``ModelParallelStrategy``, ``fully_shard`` in ``configure_model``: the sharded
     model is converted); FSDP (``FSDPStrategy``, with :class:`~lightning_lowmem.LowMemFSDPPrecision`) only
-    on ``example_input_array`` and without ``budget_mib``; DeepSpeed (``DeepSpeedStrategy``) stages 1 and 2, and stage 3
-    on ``example_input_array`` and without ``budget_mib`` (with DeepSpeed's precision).
+    on ``example_input_array`` and without ``budget_mib``; DeepSpeed (``DeepSpeedStrategy``) stages 1 to 3 (stage 3
+    without ``budget_mib``; with DeepSpeed's precision).
 
     Args:
         {options}
@@ -139,11 +139,10 @@ class LowMemBP(Callback):
                 "training batch); set example_input_array, or shard with FSDP2 (ModelParallelStrategy), where the "
                 "model is converted at the first training batch"
             )
-        if (probe_later or budget is not None) and isinstance(strategy, DeepSpeedStrategy) and strategy.zero_stage_3:
+        if budget is not None and isinstance(strategy, DeepSpeedStrategy) and strategy.zero_stage_3:
             raise MisconfigurationException(
-                "LowMemBP with DeepSpeed ZeRO-3 must convert the model before DeepSpeed partitions its parameters, so "
-                "on LightningModule.example_input_array and without budget_mib (fitted on the first training batch); "
-                "set example_input_array, or use ZeRO stage 1 or 2"
+                "LowMemBP with DeepSpeed ZeRO-3 takes no budget_mib (the budget's checkpointing is fitted on the first "
+                "training batch, inside ZeRO-3's engine): drop budget_mib, or use ZeRO stage 1 or 2"
             )
         if not probe_later:
             with trainer.precision_plugin.forward_context(), init_suspended():

@@ -64,7 +64,7 @@ from lightning_lowmem.surgery.verify import (
     training_step,
     verify,
 )
-from lightning_lowmem.surgery.zero3 import refuse_partitioned
+from lightning_lowmem.surgery.zero3 import whole
 
 
 @takes_options
@@ -368,8 +368,9 @@ def run(report: LowMemReport, model: nn.Module, options: Options, example: Any) 
     """The stages, filling ``report``: decide (nothing changed yet), then change, check, measure and fit the
     budget, undoing every change if anything raises. Returns the applied surgery. The random number generators of
     the CPU and of the model's GPUs are left as they were: the probing steps draw from them (dropout masks, seeds),
-    and a conversion must not move the draws of the training that follows (its shuffling, dropout, sampling)."""
-    with torch.random.fork_rng(devices=gpus_of(model)):
+    and a conversion must not move the draws of the training that follows (its shuffling, dropout, sampling). A model
+    DeepSpeed ZeRO-3 partitioned is made whole for the duration."""
+    with torch.random.fork_rng(devices=gpus_of(model)), whole(model):
         return _run(report, model, options, example)
 
 
@@ -379,7 +380,6 @@ def gpus_of(model: nn.Module) -> list[int]:
 
 
 def _run(report: LowMemReport, model: nn.Module, options: Options, example: Any) -> Surgery:
-    refuse_partitioned(model, "apply_lowmem")
     found = nominate(model, options, example)
     flow = trace_norms(model, found, example)
     decided = make_plan(model, found, flow, options)

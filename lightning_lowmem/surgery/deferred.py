@@ -5,7 +5,9 @@ as the example (probe, convert, verify: all or nothing), removes itself, and let
 through the converted modules. Forwards without gradients (evaluation, inference mode) are let
 through unconverted: they save nothing for backward, and a training step may take other paths. A
 model that cannot run the input is left as it was, the forward goes on and raises the model's own
-error, and the next training forward tries again.
+error, and the next training forward tries again. A call whose ``forward`` Lightning's strategies redirected to
+``training_step`` (DDP, DeepSpeed, FSDP: the wrapper's forward runs the step) is not a forward: the hook waits for
+the step's own forward call.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ def convert_at_first_forward(
         handles.extend(module.register_forward_pre_hook(pre_hook, with_kwargs=True) for module in names)
 
     def pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if not handles or not torch.is_grad_enabled():
+        if not handles or not torch.is_grad_enabled() or redirected(module):
             return
         for handle in handles:  # before running: the surgery must see hook-free modules, and calls the model itself
             handle.remove()
@@ -52,6 +54,13 @@ def convert_at_first_forward(
 
     install()
     return report
+
+
+def redirected(module: nn.Module) -> bool:
+    """Whether ``module``'s forward is, for this call, Lightning's redirection to another method (its strategies'
+    ``_ForwardRedirection`` patches ``forward`` to run ``training_step`` through the wrapper)."""
+    forward = vars(module).get("forward")
+    return "_ForwardRedirection" in getattr(forward, "__qualname__", "")
 
 
 def rank_zero_call(call: CallArgs, device: torch.device) -> CallArgs:

@@ -324,7 +324,9 @@ def _norm_parts(module: nn.Module, layout: NormLayout, hint: bool) -> tuple[tupl
         raise NotConvertible("has hooks or a patched forward (they would see the affine-free output)")
     extra = [p for p in inspect.signature(type(module).forward).parameters.values() if p.kind != p.VAR_KEYWORD][2:]
     if extra:  # Mamba-2 hybrids' gated RMSNorm: norm(x, gate) normalizes x * silu(gate)
-        raise NotConvertible(f"its forward takes {extra[0].name} besides the input (a gated norm): a norm of x alone is not it")
+        raise NotConvertible(
+            f"its forward takes {extra[0].name} besides the input (a gated norm): a norm of x alone is not it"
+        )
     shape = getattr(module, "normalized_shape", None)
     if shape is None:
         if params.get(layout.weight) is None:
