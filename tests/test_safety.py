@@ -266,6 +266,35 @@ def test_a_conversion_leaves_the_random_number_generator_as_it_found_it(when):
     assert report.converted
 
 
+class CachedPositions(nn.Module):
+    """A block that makes a buffer for its input's length in its forward, replacing the one it had (as timm's ConViT
+    makes ``rel_indices``), and normalizes with a BatchNorm (whose statistics its forward updates in place)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.fc, self.bn = nn.LayerNorm(8), nn.Linear(8, 8), nn.BatchNorm1d(8)
+        self.register_buffer("positions", torch.zeros(1), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.positions.shape[0] != x.shape[1]:
+            self.positions = torch.arange(x.shape[1], dtype=x.dtype)
+        return self.bn(self.fc(self.norm(x + self.positions[:, None])).transpose(1, 2))
+
+
+def test_a_conversion_leaves_every_buffer_as_it_found_it():
+    """The probing forwards' buffers are restored as the objects they were, values included: a buffer the forward
+    replaced is not overwritten by its old values broadcast (ConViT's outputs differed after a conversion: found by
+    the breadth sweep), and BatchNorm's statistics are not moved."""
+    torch.manual_seed(0)
+    model, x = CachedPositions(), torch.randn(4, 6, 8)
+    stock = copy.deepcopy(model)
+    positions, mean = model.positions, model.bn.running_mean.clone()
+    report = apply_lowmem(model, example_input=x)
+    assert report.status("norm") == "converted"
+    assert model.positions is positions and torch.equal(model.bn.running_mean, mean)
+    torch.testing.assert_close(model.eval()(x), stock.eval()(x))
+
+
 def test_a_conversion_leaves_the_generators_of_the_models_gpus_alone():
     """The GPU side of the generators a conversion restores: every CUDA device the model's parameters are on."""
     from types import SimpleNamespace

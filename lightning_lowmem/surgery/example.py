@@ -53,8 +53,12 @@ def _as_is(t: torch.Tensor) -> torch.Tensor:
 def isolated(model: nn.Module, train: bool) -> Iterator[None]:
     """Run a throwaway forward (:func:`probe_mode`): RNG and buffers restored afterwards, and what it
     saves for backward hidden from any saved-tensor hooks around it (a SavedTensorMeter measuring the
-    training step that triggered the surgery)."""
-    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+    training step that triggered the surgery). A buffer is restored as the object it was, with its values: a forward
+    may update one in place (BatchNorm's statistics) or replace it (ConViT's ``rel_indices``, a cache made for the
+    input's size, which a copy of the old values into would broadcast over)."""
+    buffers = [
+        (m, name, b, b.detach().clone()) for m in model.modules() for name, b in m._buffers.items() if b is not None
+    ]
     devices = sorted({b.device.index for b in model.parameters() if b.device.type == "cuda"})
     with torch.random.fork_rng(devices=devices), probe_mode(model, train):
         try:
@@ -62,9 +66,9 @@ def isolated(model: nn.Module, train: bool) -> Iterator[None]:
                 yield
         finally:
             with torch.no_grad():
-                for name, b in model.named_buffers():
-                    if name in buffers:
-                        b.copy_(buffers[name])
+                for module, name, buffer, values in buffers:
+                    module._buffers[name] = buffer
+                    buffer.copy_(values)
 
 
 def tensors_in(obj: Any) -> list[torch.Tensor]:
