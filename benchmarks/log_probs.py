@@ -10,20 +10,23 @@ GRPO loss of one iteration (``-exp(logp - logp.detach()) * advantage``, averaged
 - **TRL's fused head**: what the trainers of TRL 1.16 run instead (``trl.trainer.utils.add_fused_lm_head``, then
   ``model(..., labels=labels, fused_lm_head=True)``: log-probs and entropies by chunks, no logits);
 - **linear_log_probs**: the same body, then :func:`lightning_lowmem.functional.linear_log_probs` on its last
-  hidden states with the head's weight (log-probs and entropies, no logits).
+  hidden states with the head's weight (log-probs and entropies, no logits);
+- **Liger's fused GRPO loss**: the same body, then Liger Kernel's ``LigerFusedLinearGRPOLoss`` (its chunked loss,
+  torch code compiled by ``torch.compile`` as by default, so it runs on a CPU too; ``beta=0``, no reference model,
+  ``loss_type="grpo"``: the same loss) on the same hidden states and weight; it returns no entropies.
 
 Each runs in a fresh process; the figure is the allocation peak of the step (forward, loss, backward) above what
 was allocated before it (the profiler's allocation events, :func:`lightning_lowmem.memory.peak.allocation_peak`),
 beside the loss and a gradient's norm (the same in all three: the same computation). The embedding and head are
-frozen, as a LoRA fine-tune leaves them, so the peak is the activations' and not a weight gradient's. Liger Kernel's
-fused GRPO loss runs on CUDA GPUs only (Triton): measured by the GPU command where one is lent.
+frozen, as a LoRA fine-tune leaves them, so the peak is the activations' and not a weight gradient's.
 
-    python benchmarks/log_probs.py [--tokens 1024] [--smoke]
+    python benchmarks/log_probs.py [--tokens 1024] [--smoke]    (Liger's variant where ``liger-kernel`` is installed)
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import subprocess
 import sys
@@ -80,6 +83,14 @@ def step(variant: str, tokens: int, smoke: bool) -> dict[str, float]:
         elif variant == "trl_fused":
             outputs = model(input_ids=ids, labels=labels, fused_lm_head=True)
             logps, entropy = outputs.log_probs[:, -tokens:], outputs.entropy[:, -tokens:]
+        elif variant == "liger_grpo":
+            from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+
+            hidden = model.model(input_ids=ids).last_hidden_state[:, -tokens - 1 : -1]
+            liger = LigerFusedLinearGRPOLoss(beta=0.0, use_ref_model=False, loss_type="grpo", temperature=TEMPERATURE)
+            loss = liger(hidden, model.lm_head.weight, completion, torch.ones_like(completion), advantages[:, 0])[0]
+            loss.backward()
+            return loss.item(), float("nan"), model.model.layers[0].mlp.down_proj.weight.grad.norm().item()
         else:
             hidden = model.model(input_ids=ids).last_hidden_state[:, -tokens - 1 : -1]
             logps, entropy = linear_log_probs(
@@ -105,7 +116,8 @@ def main() -> None:
         return
     worker = [sys.executable, str(Path(__file__).resolve()), "--tokens", str(tokens), "--variant"]
     found = {}
-    for variant in ("stock", "trl_fused", "linear_log_probs"):
+    liger = importlib.util.find_spec("liger_kernel") is not None  # not a dependency: measured where installed
+    for variant in ("stock", "trl_fused", "linear_log_probs", *(["liger_grpo"] if liger else [])):
         run = subprocess.run(
             [*worker, variant, *(["--smoke"] if args.smoke else [])], capture_output=True, text=True, check=False
         )
@@ -128,10 +140,9 @@ def main() -> None:
         f"A Qwen2.5-7B layer and head (real dims, bf16; embedding and head frozen), {COMPLETIONS} completions x {tokens} tokens after a "
         f"{PROMPT}-token prompt, temperature {TEMPERATURE}: TRL's own log-prob path (bf16 logits of the kept "
         f"positions, {logits_mib:,.0f} MiB, `selective_log_softmax`, `entropy_from_logits`), TRL 1.16's fused LM "
-        "head (`add_fused_lm_head`, which its DPO, KTO, GRPO, RLOO trainers install) and `linear_log_probs` on the "
-        "same hidden states; allocation peak of forward, GRPO loss and backward, each in a "
-        "fresh process. Liger Kernel's fused GRPO loss is Triton on CUDA only: not measured on this machine.\n\n"
-        + table
+        "head (`add_fused_lm_head`, which its DPO, KTO, GRPO, RLOO trainers install), `linear_log_probs` and Liger "
+        "Kernel's `LigerFusedLinearGRPOLoss` (torch code, compiled; no entropies: nan) on the same hidden states; "
+        "allocation peak of forward, GRPO loss and backward, each in a fresh process.\n\n" + table
     )
     write_section("log_probs", body, f"python benchmarks/log_probs.py --tokens {tokens}")
 

@@ -564,6 +564,18 @@ def gradient_error(stock: dict[str, torch.Tensor], converted: dict[str, torch.Te
     return (diff / max(sum(float(g.float().norm() ** 2) for g in stock.values()), 1e-30)) ** 0.5
 
 
+def rounding_sensitivity(stock: nn.Module, example: Any) -> float:
+    """How far stock's own gradients move when its float inputs move by a few roundings (a relative 1e-6): where a
+    max-pool's argmax or a router's choice flips on a tie, rounding-level differences in the forward (which every
+    exact conversion has) move the gradients by more than rounding (NesT: 0.3%, stock against stock)."""
+    from torch.utils._pytree import tree_map
+
+    nudged = tree_map(lambda t: t * (1 + 1e-6) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, example)
+    _, grads = _step(stock, example, exact=False)
+    _, moved = _step(stock, nudged, exact=False)
+    return gradient_error(grads, moved)
+
+
 def unreported(model: nn.Module, report: Any) -> list[str]:
     """The candidates of ``model`` (norms, activations, training dropouts) that no report entry accounts for (an
     entry of their own or of a module holding them)."""
@@ -612,7 +624,7 @@ def check_conversion(model: nn.Module, example: Any, **options: Any) -> Outcome:
         problems.append(f"loss {loss.item():.6g} vs stock's {stock_loss.item():.6g}")
     if set(grads) != set(stock_grads):
         problems.append(f"gradients of {sorted(set(grads) ^ set(stock_grads))[:3]} missing or extra")
-    elif (error := gradient_error(stock_grads, grads)) > 1e-3:
+    elif (error := gradient_error(stock_grads, grads)) > 1e-3 and error > 2 * rounding_sensitivity(stock, example):
         problems.append(f"gradients {error:.3g} off stock's")
     for source, target in ((stock, model), (model, stock)):
         result = target.load_state_dict(source.state_dict(), strict=False)
@@ -704,12 +716,16 @@ def main() -> None:
     body += "Tiny random-init models converted with the default options and `measure=False` (so nothing is rolled back "
     body += "for what it costs: every change is held to stock), the causal LMs with and without peft LoRA (r 8, all "
     body += "linear layers, dropout 0.05); exact = eval outputs, training loss and gradients (the "
-    body += "k-bit activations with their exact derivative) equal stock's, strict loads both ways, every candidate "
+    body += "k-bit activations with their exact derivative) equal stock's (gradients within 1e-3 relative, or within "
+    body += "twice what stock's own move when its inputs move by a relative 1e-6: a max-pool's argmax flips on a "
+    body += "tie), strict loads both ways, every candidate "
     body += "reported. Skipped: does not build at tiny dims, or stock cannot train on the tiny input. Crash: "
     body += "`apply_lowmem` raised (its checks refusing a conversion that computes something else count here).\n\n"
     ran = sum(counts.values())
     if ran < total:
         body += f"{ran} of the {total} cases ran (the run was cut short; the rest, in the order of `_cases`, next).\n\n"
+    elif args.from_log is not None:
+        body += "The run was resumed from a cut-short run's log (`--from-log`): each case ran once, in one of them.\n\n"
     body += markdown_table(["library", "adapters", "exact", "differs", "crash", "skipped"], table)
     if rows:
         body += "\n\n" + markdown_table(["model", "outcome", "what"], rows)
