@@ -49,6 +49,13 @@ def _as_is(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def _detached(t: torch.Tensor) -> torch.Tensor:
+    """A saved tensor kept as is, but detached: a hook returning a saved output itself makes a cycle through the
+    graph's C++ node that Python's collector cannot see (every probed model's tensors then lived on: the sweep's
+    process grew by the model's size per conversion)."""
+    return t.detach()
+
+
 @contextmanager
 def isolated(model: nn.Module, train: bool) -> Iterator[None]:
     """Run a throwaway forward (:func:`probe_mode`): RNG and buffers restored afterwards, and what it
@@ -62,7 +69,7 @@ def isolated(model: nn.Module, train: bool) -> Iterator[None]:
     devices = sorted({b.device.index for b in model.parameters() if b.device.type == "cuda"})
     with torch.random.fork_rng(devices=devices), probe_mode(model, train):
         try:
-            with torch.autograd.graph.saved_tensors_hooks(_as_is, _as_is):
+            with torch.autograd.graph.saved_tensors_hooks(_detached, _as_is):
                 yield
         finally:
             with torch.no_grad():
