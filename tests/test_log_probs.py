@@ -303,3 +303,71 @@ def test_trls_chunked_log_prob_grid(dtype, temperature, monkeypatch):
         if dtype == torch.float32:
             torch.testing.assert_close(a, s, atol=tolerance, rtol=tolerance)
         assert (a.double() - e).abs().max() <= 1.05 * (s.double() - e).abs().max() + 1e-6
+
+
+def grpo_loss(policy, reference, target, mask, advantages, old, beta, low, high):
+    """The GRPO loss of Liger Kernel's grid, on per-token log-probs: the clipped importance-sampling term, plus beta
+    times the k3 estimate of the KL to the reference, averaged over the unmasked tokens; and the metrics Liger reports
+    (the mean KL where beta > 0, the share of clipped tokens)."""
+    old = policy.detach() if old is None else old
+    ratio = torch.exp(policy - old)
+    per_token = -torch.min(ratio * advantages[:, None], ratio.clamp(1 - low, 1 + high) * advantages[:, None])
+    tokens = mask.sum().clamp(min=1.0)
+    metrics = []
+    if beta:
+        kl = torch.exp(reference - policy) - (reference - policy) - 1.0
+        per_token = per_token + beta * kl
+        metrics.append((kl * mask).sum() / tokens)
+    clipped = ((ratio < 1 - low) & (advantages[:, None] < 0)) | ((ratio > 1 + high) & (advantages[:, None] > 0))
+    metrics.append((clipped * mask).sum() / tokens)
+    return (per_token * mask).sum() / tokens, metrics
+
+
+@pytest.mark.parametrize(("rows", "tokens", "features", "vocab"), [(8, 128, 1024, 4096), (3, 47, 31, 123)])
+@pytest.mark.parametrize(("dtype", "atol", "rtol"), [(torch.bfloat16, 5e-2, 5e-1), (torch.float32, 1e-5, 5e-4)])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
+@pytest.mark.parametrize(("beta", "low", "high", "temperature"), [(0.1, 0.2, 0.2, 1.0), (0.0, 0.1, 0.1, 2.0)])
+@pytest.mark.parametrize("reference", ["log_probs", "model", "none"])
+@pytest.mark.parametrize("old", [True, False], ids=["old_log_probs", "on_policy"])
+def test_ligers_grpo_grid(rows, tokens, features, vocab, dtype, atol, rtol, bias, beta, low, high, temperature,
+                          reference, old):  # fmt: skip
+    """Liger Kernel's grid for its fused GRPO loss (``test/chunked_loss/test_grpo_loss.py``: shapes, dtypes and
+    tolerances, bias, beta / clipping / temperature, the reference's log-probs given, computed from a reference head
+    or absent, old log-probs or on-policy, random padding), the loss written on ``linear_log_probs`` (the reference's
+    under ``no_grad``) against the same loss on stock's log-softmax of the logits: loss, metrics, and the gradients
+    of the hidden states, the weight and the bias."""
+    torch.manual_seed(0)
+    weight = torch.randn(vocab, features, dtype=dtype)
+    b = torch.randn(vocab, dtype=dtype) if bias else None
+    ref_weight = weight + torch.randn(vocab, features, dtype=dtype) * 0.01
+    ref_bias = b + torch.randn(vocab, dtype=dtype) * 0.01 if bias else None
+    hidden = torch.randn(rows, tokens, features, dtype=dtype)
+    target = torch.randint(0, vocab, (rows, tokens))
+    mask = torch.ones(rows, tokens)
+    mask.view(-1)[torch.randperm(rows * tokens)[: int(torch.randint(1, rows * tokens // 2, (1,)))]] = 0
+    advantages = torch.rand(rows, dtype=dtype)
+    with torch.no_grad():
+        current = stock(hidden, weight, target, b, temperature)[0]
+    given = current + torch.randn(rows, tokens) * 0.01 if reference == "log_probs" else None
+    ref_hidden = hidden + torch.randn(rows, tokens, features, dtype=dtype) * 0.01 if reference == "model" else None
+    old_log_probs = current + torch.randn(rows, tokens) * 0.01 if old else None
+
+    def run(log_probs):
+        leaves = [t.clone().requires_grad_() for t in (hidden, weight, *([b] if bias else []))]
+        policy = log_probs(leaves[0], leaves[1], target, leaves[2] if bias else None, temperature)
+        if reference == "model":
+            with torch.no_grad():
+                ref = log_probs(ref_hidden, ref_weight, target, ref_bias, temperature)
+        else:
+            ref = policy.detach() if given is None else given
+        loss, metrics = grpo_loss(policy, ref, target, mask, advantages.float(), old_log_probs, beta, low, high)
+        return loss, metrics, torch.autograd.grad(loss, leaves)
+
+    ours = run(lambda h, w, t, bias_, temp: linear_log_probs(h, w, t, bias_, temperature=temp))
+    theirs = run(lambda h, w, t, bias_, temp: stock(h, w, t, bias_, temp)[0])
+    assert torch.isfinite(ours[0])
+    torch.testing.assert_close(ours[0], theirs[0], atol=atol, rtol=rtol)
+    for a, s in zip(ours[1], theirs[1], strict=True):
+        torch.testing.assert_close(a, s, atol=atol, rtol=rtol)
+    for a, s in zip(ours[2], theirs[2], strict=True):
+        torch.testing.assert_close(a, s, atol=atol, rtol=rtol)
