@@ -3,7 +3,7 @@
 LoRA with ``lora_dropout`` (peft keeps a dropped copy of the input per adapted layer, and every dropout its
 mask) and models' hidden dropout (BERT, GPT-2, T5; attention dropout 0). Saved-for-backward bytes of one
 training forward (SavedTensorMeter, CPU; autocast's weight copies apart): deterministic, so no timing and no
-quiet machine needed. Writes the "dropout" section of RESULTS.md and the README's table.
+quiet machine needed. Writes the "dropout" section of RESULTS.md and the table of docs/how-it-works.md.
 
     python benchmarks/dropout.py [--smoke]
 """
@@ -24,7 +24,7 @@ from benchmarks import zoo
 from benchmarks.common import markdown_table, write_section
 from lightning_lowmem import apply_lowmem
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+HOW_IT_WORKS = Path(__file__).resolve().parents[1] / "docs" / "how-it-works.md"
 
 
 def lora_llama(dropout: float, smoke: bool) -> tuple[nn.Module, torch.Tensor]:
@@ -66,7 +66,7 @@ def change(before: int, after: int) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--smoke", action="store_true", help="a tiny LLaMA, no RESULTS.md or README update")
+    parser.add_argument("--smoke", action="store_true", help="a tiny LLaMA, no RESULTS.md or docs update")
     args = parser.parse_args()
     rows = []
     for model, recipe, autocast, build, p in cases(args.smoke):
@@ -87,7 +87,9 @@ def main() -> None:
         "keeps a seed, LoRA dropouts fold into their `lora_A`, and the norms stay shared.\n\n"
     )
     write_section("dropout", "## Dropout: what it costs\n\n" + intro + table, "python benchmarks/dropout.py")
-    write_section("dropout", "#### What dropout costs\n\n" + intro + table, "python benchmarks/dropout.py", README)
+    write_section(
+        "dropout", "#### What dropout costs\n\n" + intro + table, "python benchmarks/dropout.py", HOW_IT_WORKS
+    )
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ FLOPs (counted at 128, 256 and 512 tokens, recomputes included, as a GPU runs th
 quadratic T^2``, the quadratic part attention's) at the 24 GiB length, over its model's without recompute, at 400 TFLOP/s, plus the
 checkpoints' trip to the host and back at 25 GB/s, not overlapped.
 
-    python benchmarks/long_context.py            # writes RESULTS.md "long context" and the README table
+    python benchmarks/long_context.py            # writes RESULTS.md "long context" and the docs' table
     python benchmarks/long_context.py --timing   # each rung's step time on this CPU (a quiet machine): "ladder timing"
     python benchmarks/long_context.py --smoke    # tiny shapes, nothing written
 """
@@ -41,7 +41,7 @@ from benchmarks.common import interleaved_times, markdown_table, paired_ratio, w
 from benchmarks.real_scale import (
     CONFIGS,
     DECODER_BLOCKS,
-    README,
+    DOCS,
     RECIPES,
     SMOKE,
     Config,
@@ -303,11 +303,16 @@ EXPLANATION = (
 
 
 def write_sections(body: str) -> None:
-    """RESULTS.md's "long context" section and the README's."""
+    """RESULTS.md's "long context" section and the long-context guide's."""
     section = "## Long context: the longest sequence one GPU trains, predicted\n\n" + EXPLANATION + "\n\n" + body
     command = "python benchmarks/long_context.py"
     write_section("long_context", section, command)
-    write_section("long_context", section.replace("## Long context", "### Long context"), command, README)
+    write_section(
+        "long_context",
+        section.replace("## Long context", "### Long context"),
+        command,
+        DOCS / "guides" / "long-context.md",
+    )
 
 
 if __name__ == "__main__":

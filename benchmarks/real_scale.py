@@ -438,7 +438,7 @@ PAPER_SECTION = (
 )
 
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+DOCS = Path(__file__).resolve().parents[1] / "docs"
 HEADER = [
     "model (real dims, full depth)",
     "recipe",
@@ -525,7 +525,7 @@ def main() -> None:
         "activation memory is linear in depth, checked against 3 layers). Stock dropout masks counted as a GPU keeps "
         "them (1 B per element).\n\n" + table
     )
-    write_section("real_scale", headline, "python benchmarks/real_scale.py", README)
+    write_section("real_scale", headline, "python benchmarks/real_scale.py", DOCS / "index.md")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ SavedTensorMeter (parameters excluded); time is a whole training step (forward, 
 AdamW step), interleaved with the stock model in the same process.
 
 ``--zoo`` instead converts the tiny model of every family in ``benchmarks/zoo.py`` and writes what it
-converted, what it left alone and why, and the memory saved (fp32) into the README's table
+converted, what it left alone and why, and the memory saved (fp32) into the table of docs/how-it-works.md
 "Which models convert what".
 
     python benchmarks/surgery.py [--quick | --smoke | --zoo]
@@ -36,7 +36,7 @@ from lightning_lowmem.nn import LowMemLinear, LowMemTransposedLinear
 from lightning_lowmem.nn.linear import shares_functional_linears
 from lightning_lowmem.surgery import LowMemReport, apply_lowmem
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+HOW_IT_WORKS = Path(__file__).resolve().parents[1] / "docs" / "how-it-works.md"
 
 VIT_LORA = {"LoRA on qkv only": ["qkv"], "LoRA on qkv, proj, fc1, fc2": ["qkv", "proj", "fc1", "fc2"]}
 
@@ -183,14 +183,14 @@ def zoo_table() -> None:
         "exact), and strict checkpoints both ways, as `tests/test_coverage.py` checks.\n\n"
         + markdown_table(header, rows)
     )
-    write_section("zoo", body, "python benchmarks/surgery.py --zoo", README)
+    write_section("zoo", body, "python benchmarks/surgery.py --zoo", HOW_IT_WORKS)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="fewer timing repeats")
     parser.add_argument("--time-rows", type=int, default=None, help="time only the first N rows (slow CPUs)")
-    parser.add_argument("--zoo", action="store_true", help="the README table of every family in benchmarks/zoo.py")
+    parser.add_argument("--zoo", action="store_true", help="the docs' table of every family in benchmarks/zoo.py")
     parser.add_argument("--smoke", action="store_true", help="32x32 images, 16 tokens, two rows timed once, no writes")
     args = parser.parse_args()
     if args.zoo:

@@ -3,7 +3,7 @@
 - :func:`vit`, :func:`llama`, :func:`bert` and :func:`lora`: the models of the tests and benchmarks, tiny by
   default (every size an argument), and :func:`images` / :func:`tokens` for their inputs.
 - :data:`FAMILIES`: the families ``tests/test_coverage.py`` checks and ``benchmarks/surgery.py --zoo``
-  measures for the README table. Every one is fp32, dropout 0, hidden size 64, two layers (one encoder
+  measures for the table in docs/how-it-works.md. Every one is fp32, dropout 0, hidden size 64, two layers (one encoder
   and one decoder layer for encoder-decoders), batch 2, sequence length 16 (images 32x32 in patches of
   8; EVA 28x28 in patches of 14).
 """
