@@ -142,7 +142,8 @@ def main() -> None:
         f"positions, {logits_mib:,.0f} MiB, `selective_log_softmax`, `entropy_from_logits`), TRL 1.16's fused LM "
         "head (`add_fused_lm_head`, which its DPO, KTO, GRPO, RLOO trainers install), `linear_log_probs` and Liger "
         "Kernel's `LigerFusedLinearGRPOLoss` (torch code, compiled; no entropies: nan) on the same hidden states; "
-        "allocation peak of forward, GRPO loss and backward, each in a fresh process.\n\n" + table
+        "allocation peak of forward, GRPO loss and backward, each in a fresh process. Where the fused paths peak alike, "
+        "the peak is the decoder layer's own (their heads' chunks stay below it).\n\n" + table
     )
     write_section("log_probs", body, f"python benchmarks/log_probs.py --tokens {tokens}")
 
