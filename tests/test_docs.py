@@ -18,6 +18,7 @@ import pytest
 pytest.importorskip("mkdocs", reason="the docs extra: pip install -e '.[docs]'")
 pytest.importorskip("material", reason="the docs extra: pip install -e '.[docs]'")
 pytest.importorskip("mkdocstrings_handlers.python", reason="the docs extra: pip install -e '.[docs]'")
+pytest.importorskip("transformers", reason="the API page documents lightning_lowmem.hf")
 
 import lightning_lowmem
 import lightning_lowmem.hf

