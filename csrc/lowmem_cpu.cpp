@@ -730,13 +730,19 @@ void norm_output_backward_rows(const U* grad, const U* y, const at::opmath_type<
 // Rows in parallel, four at a time (norm_output_backward_rows; 2 and 8 measured slower), the rest one by one;
 // fp32 rows of up to 4 KB all one by one: four such rows interleaved, read from L3 or memory, ran at 1.5x
 // ATen's time (768 columns; one by one 1.1x), while from 1536 columns on four rows run at 0.8-1.0x against
-// one's 1.1-1.3x, and bf16 at 0.76-0.81x at every width (AMD EPYC, interleaved with ATen's backward).
+// one's 1.1-1.3x, and bf16 at 0.76-0.81x at every width (AMD EPYC, AVX512, interleaved with ATen's backward).
+// Under AVX2 bf16 rows of up to 4 KB go one by one too: by four, 768 columns ran the backward at 1.28x ATen's,
+// one by one 0.97x; 3072 columns by four 0.94x, one by one 1.16x (the same EPYC, ATEN_CPU_CAPABILITY=avx2).
 template <typename U, typename T>
 void norm_output_backward_kernel(const U* grad, const U* y, const at::opmath_type<U>* rstd,
                                  const at::opmath_type<U>* scale, const at::opmath_type<U>* inverse_scale,
                                  const at::opmath_type<U>* shifted, const int64_t* columns, int64_t n_columns,
                                  const U* exact, int64_t rows, int64_t dim, bool center, T* grad_input) {
+#if defined(CPU_CAPABILITY_AVX512)
   const bool by_four = sizeof(U) < sizeof(float) || dim * int64_t(sizeof(U)) > 4096;
+#else  // AVX2's 16 vector registers: four rows' sums beside the six column vectors spill
+  const bool by_four = dim * int64_t(sizeof(U)) > 4096;
+#endif
   at::parallel_for(0, rows, row_grain(dim), [&](int64_t begin, int64_t end) {
     int64_t row = begin;
     const auto run = [&](auto count) {
