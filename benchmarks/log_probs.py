@@ -83,16 +83,17 @@ def step(variant: str, tokens: int, smoke: bool) -> dict[str, float]:
         elif variant == "trl_fused":
             outputs = model(input_ids=ids, labels=labels, fused_lm_head=True)
             logps, entropy = outputs.log_probs[:, -tokens:], outputs.entropy[:, -tokens:]
-        elif variant == "liger_grpo":
-            from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
-
-            hidden = model.model(input_ids=ids).last_hidden_state[:, -tokens - 1 : -1]
-            liger = LigerFusedLinearGRPOLoss(beta=0.0, use_ref_model=False, loss_type="grpo", temperature=TEMPERATURE)
-            loss = liger(hidden, model.lm_head.weight, completion, torch.ones_like(completion), advantages[:, 0])[0]
-            loss.backward()
-            return loss.item(), float("nan"), model.model.layers[0].mlp.down_proj.weight.grad.norm().item()
         else:
             hidden = model.model(input_ids=ids).last_hidden_state[:, -tokens - 1 : -1]
+            if variant == "liger_grpo":
+                from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+
+                liger = LigerFusedLinearGRPOLoss(
+                    beta=0.0, use_ref_model=False, loss_type="grpo", temperature=TEMPERATURE
+                )
+                loss = liger(hidden, model.lm_head.weight, completion, torch.ones_like(completion), advantages[:, 0])[0]
+                loss.backward()
+                return loss.item(), float("nan"), model.model.layers[0].mlp.down_proj.weight.grad.norm().item()
             logps, entropy = linear_log_probs(
                 hidden, model.lm_head.weight, completion, temperature=TEMPERATURE, return_entropy=True
             )

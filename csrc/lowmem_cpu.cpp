@@ -830,17 +830,24 @@ void gated_backward_reduced_kernel(const T* grad, const T* gate, const T* second
   });
 }
 
-// A row of `n` values widened to fp32 (`dst`), and fp32 values times `scale` rounded into a row (in place for fp32).
-template <typename T>
-void load_row(const T* src, float* dst, int64_t n) {
+// A row of `n` values widened to fp32 (`dst`; kDivide: divided by `divisor`, as the log-probs' logits by the
+// temperature), and fp32 values times `scale` rounded into a row (in place for fp32).
+template <bool kDivide, typename T>
+void load_row(const T* src, float divisor, float* dst, int64_t n) {
   using fVec = Vectorized<float>;
+  const fVec divisor_v(divisor);
+  const auto put = [&](fVec v, int64_t i) { (kDivide ? v / divisor_v : v).store(dst + i); };
   int64_t i = 0;
-  for (; i + Vectorized<T>::size() <= n; i += Vectorized<T>::size()) {
-    auto [a, b] = at::vec::convert_to_float<T>(Vectorized<T>::loadu(src + i));
-    a.store(dst + i);
-    b.store(dst + i + fVec::size());
+  if constexpr (std::is_same_v<T, float>) {
+    for (; i + fVec::size() <= n; i += fVec::size()) put(fVec::loadu(src + i), i);
+  } else {
+    for (; i + Vectorized<T>::size() <= n; i += Vectorized<T>::size()) {
+      auto [a, b] = at::vec::convert_to_float<T>(Vectorized<T>::loadu(src + i));
+      put(a, i);
+      put(b, i + fVec::size());
+    }
   }
-  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+  for (; i < n; ++i) dst[i] = kDivide ? static_cast<float>(src[i]) / divisor : static_cast<float>(src[i]);
 }
 
 template <typename T>
@@ -931,31 +938,13 @@ void cross_entropy_rows(T* rows, const int64_t* targets, int64_t ignore_index, i
         work = row;
       } else {
         work = copy.data();
-        load_row(row, work, vocab);
+        load_row<false>(row, 1.0f, work, vocab);
       }
       losses[r] = cap > 0 ? cross_entropy_row<true>(work, vocab, targets[r], eps, cap)
                           : cross_entropy_row<false>(work, vocab, targets[r], eps, cap);
       if (scales != nullptr || !std::is_same_v<T, float>) store_row(work, scales ? scales[r] : 1.0f, row, vocab);
     }
   });
-}
-
-// A row of `n` values widened to fp32 and divided by `temperature` (`dst`): the scaled logits s of a log-prob row.
-template <typename T>
-void scaled_row(const T* src, float temperature, float* dst, int64_t n) {
-  using fVec = Vectorized<float>;
-  const fVec t_v(temperature);
-  int64_t i = 0;
-  if constexpr (std::is_same_v<T, float>) {
-    for (; i + fVec::size() <= n; i += fVec::size()) (fVec::loadu(src + i) / t_v).store(dst + i);
-  } else {
-    for (; i + Vectorized<T>::size() <= n; i += Vectorized<T>::size()) {
-      auto [a, b] = at::vec::convert_to_float<T>(Vectorized<T>::loadu(src + i));
-      (a / t_v).store(dst + i);
-      (b / t_v).store(dst + i + fVec::size());
-    }
-  }
-  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]) / temperature;
 }
 
 // lse = logsumexp(s) and the entropy lse - sum(p s) of a row of scaled logits s: its max in one pass, the sums in a
@@ -992,7 +981,7 @@ void token_log_probs_rows(const T* rows, const int64_t* targets, int64_t ignore_
   at::parallel_for(0, count, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> s(vocab);
     for (int64_t r = begin; r < end; ++r) {
-      scaled_row(rows + r * vocab, temperature, s.data(), vocab);
+      load_row<true>(rows + r * vocab, temperature, s.data(), vocab);
       const auto [row_lse, row_entropy] = lse_and_entropy(s.data(), vocab);
       const bool ignored = targets[r] == ignore_index;
       lse[r] = row_lse;
@@ -1015,7 +1004,7 @@ void token_log_probs_grad_rows(T* rows, const int64_t* targets, int64_t ignore_i
         std::fill(row, row + vocab, static_cast<T>(0.0f));
         continue;
       }
-      scaled_row(row, temperature, s.data(), vocab);
+      load_row<true>(row, temperature, s.data(), vocab);
       const float g_lp = grad_log_prob[r], g_h = grad_entropy ? grad_entropy[r] : 0.0f;
       const fVec lse_v(lse[r]), h_v(entropy[r]), g_lp_v(g_lp), g_h_v(g_h);
       int64_t v = 0;

@@ -42,7 +42,7 @@ from lightning_lowmem.surgery.budget import fit_budget, take_every_step
 from lightning_lowmem.surgery.changes import Plan
 from lightning_lowmem.surgery.convert import Surgery
 from lightning_lowmem.surgery.deferred import convert_at_first_forward
-from lightning_lowmem.surgery.example import batch_size, describe, with_batch_size
+from lightning_lowmem.surgery.example import batch_size, describe, gpus_of, with_batch_size
 from lightning_lowmem.surgery.families import FAMILIES, Candidates
 from lightning_lowmem.surgery.identify import names_activation
 from lightning_lowmem.surgery.measure import measure_saved, measure_step, step_peak
@@ -372,11 +372,6 @@ def run(report: LowMemReport, model: nn.Module, options: Options, example: Any) 
     DeepSpeed ZeRO-3 partitioned is made whole for the duration."""
     with torch.random.fork_rng(devices=gpus_of(model)), whole(model):
         return _run(report, model, options, example)
-
-
-def gpus_of(model: nn.Module) -> list[int]:
-    """The indices of the CUDA devices ``model``'s parameters are on (whose generators a conversion leaves alone)."""
-    return sorted({t.device.index for t in model.parameters() if t.device.type == "cuda"})
 
 
 def _run(report: LowMemReport, model: nn.Module, options: Options, example: Any) -> Surgery:

@@ -56,6 +56,12 @@ def _detached(t: torch.Tensor) -> torch.Tensor:
     return t.detach()
 
 
+def gpus_of(model: nn.Module) -> list[int]:
+    """The indices of the CUDA devices ``model``'s parameters are on (whose generators a probe or a conversion
+    leaves as it found them)."""
+    return sorted({t.device.index for t in model.parameters() if t.device.type == "cuda"})
+
+
 @contextmanager
 def isolated(model: nn.Module, train: bool) -> Iterator[None]:
     """Run a throwaway forward (:func:`probe_mode`): RNG and buffers restored afterwards, and what it
@@ -66,8 +72,7 @@ def isolated(model: nn.Module, train: bool) -> Iterator[None]:
     buffers = [
         (m, name, b, b.detach().clone()) for m in model.modules() for name, b in m._buffers.items() if b is not None
     ]
-    devices = sorted({b.device.index for b in model.parameters() if b.device.type == "cuda"})
-    with torch.random.fork_rng(devices=devices), probe_mode(model, train):
+    with torch.random.fork_rng(devices=gpus_of(model)), probe_mode(model, train):
         try:
             with torch.autograd.graph.saved_tensors_hooks(_detached, _as_is):
                 yield
