@@ -79,6 +79,7 @@ def main(out: str) -> None:
     if torch.distributed.get_rank() == 0:
         Path(out).write_text(json.dumps(result))
     torch.distributed.barrier()
+    torch.distributed.destroy_process_group()  # torn down before the interpreter exits (as lightning_deepspeed_two_ranks)
 
 
 if __name__ == "__main__":
