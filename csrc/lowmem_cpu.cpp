@@ -650,8 +650,8 @@ void norm_backward_kernel(const U* grad, const U* z, const at::opmath_type<U>* r
 
 // norm_backward_kernel's input gradient (scale, no column sums) from the output y = scale * z + shift instead
 // of z, so both passes read y where the other reads z. The first pass sums g' = g * scale and g' * z as
-// g * (y - shift) (four loads a vector, not five: the backward 0.97x its time at 768 columns, AVX2, the same at
-// AVX512); the second rebuilds z = y * inverse_scale - shifted (shifted = shift * inverse_scale) in
+// g * (y - shift) (four loads a vector, not five: the kernel 0.95-0.99x its time under AVX2 but at 768 fp32
+// columns, 1.01x, and 0.98-1.00x under AVX512, in-process A/B at load 0.4); the second rebuilds z = y * inverse_scale - shifted (shifted = shift * inverse_scale) in
 // registers by one fused multiply-add. inverse_scale and shifted are 0 at the n_columns `columns` whose z y
 // cannot give back (scale 0, or |shift| > |scale|); their z comes from `exact` (rows x n_columns): it replaces
 // their terms of the row's sum of g'*z and, after the second pass, their own dx. kRows rows at a time: each
@@ -695,7 +695,8 @@ void norm_output_backward_rows(const U* grad, const U* y, const at::opmath_type<
     for (int64_t c = 0; c < n_columns; ++c) {  // y - shift is not scale * z there: its own z instead
       const int64_t k = columns[c];
       const acc_t gk = static_cast<acc_t>(g[k]);
-      total_gz += gk * (scale[k] * static_cast<acc_t>(exact[q * n_columns + c]) - (static_cast<acc_t>(yr[k]) - shift[k]));
+      const acc_t rebuilt = static_cast<acc_t>(yr[k]) - shift[k];
+      total_gz += gk * (scale[k] * static_cast<acc_t>(exact[q * n_columns + c]) - rebuilt);
     }
     r[q] = rstd[q];
     mean_g[q] = center ? total_g / acc_t(dim) : acc_t(0);
