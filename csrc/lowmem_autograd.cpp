@@ -131,6 +131,18 @@ std::tuple<OptionalTensor, OptionalTensor> affine_values(at::ScalarType in_dtype
   return {scale, shift};
 }
 
+// ops.norm.output_affine: gamma + offset and beta as the output ops take them (which widen them): as they are in
+// the input's dtype or its accumulate type, else in the latter.
+std::tuple<OptionalTensor, OptionalTensor> output_affine(at::ScalarType in_dtype, const at::Tensor& gamma,
+                                                         const at::Tensor& beta, double offset) {
+  const at::ScalarType acc = at::toOpMathType(in_dtype);
+  const auto taken = [&](const at::Tensor& t) -> OptionalTensor {
+    if (!t.defined()) return std::nullopt;
+    return t.scalar_type() == in_dtype || t.scalar_type() == acc ? t : t.to(acc);
+  };
+  return {taken(gamma.defined() ? affine_scale(gamma, offset) : gamma), taken(beta)};
+}
+
 std::tuple<at::Tensor, at::Tensor> act_forward(const at::Tensor& x, c10::string_view kind,
                                                at::ArrayRef<double> thresholds) {
   static auto op = c10::Dispatcher::singleton()
@@ -162,22 +174,25 @@ struct MemorySharingNormFunction : public torch::autograd::Function<MemorySharin
   static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const OptionalTensor& gamma,
                                const OptionalTensor& beta, int64_t max_exact_columns, int64_t dim, double eps,
                                bool center, at::ScalarType out_dtype, double offset, c10::string_view name) {
-    auto [scale, shift] = affine_values(x.scalar_type(), value_or_undefined(gamma), value_or_undefined(beta), offset);
     ctx->saved_data["dim"] = dim;
     ctx->saved_data["center"] = center;
     ctx->saved_data["in_dtype"] = x.scalar_type();
     ctx->saved_data["offset"] = offset;
     ctx->saved_data["name"] = std::string(name);
-    const at::Tensor columns = max_exact_columns >= 0 ? norm_exact_columns(scale, shift) : at::Tensor();
-    // traced (fake tensors), their number is not known: z, as under torch.compile
-    const std::optional<int64_t> n_exact = columns.defined() ? columns.sym_numel().maybe_as_int() : std::nullopt;
-    const bool saves_output = n_exact.has_value() && *n_exact <= max_exact_columns;
-    ctx->saved_data["saves_output"] = saves_output;
-    if (saves_output) {  // only the input needs a gradient
-      auto [y, rstd, exact] = norm_output_forward(x, dim, eps, center, out_dtype, scale, shift, columns);
-      ctx->save_for_backward({y, rstd, value_or_undefined(gamma), value_or_undefined(beta), columns, exact});
-      return {y};
+    ctx->saved_data["saves_output"] = false;
+    if (max_exact_columns >= 0) {  // a frozen affine: y saved where few columns need z exactly
+      auto [scale, shift] = output_affine(x.scalar_type(), value_or_undefined(gamma), value_or_undefined(beta), offset);
+      const at::Tensor columns = norm_exact_columns(scale, shift);
+      // traced (fake tensors), their number is not known: z, as under torch.compile
+      const std::optional<int64_t> n_exact = columns.sym_numel().maybe_as_int();
+      if (n_exact.has_value() && *n_exact <= max_exact_columns) {  // only the input needs a gradient
+        ctx->saved_data["saves_output"] = true;
+        auto [y, rstd, exact] = norm_output_forward(x, dim, eps, center, out_dtype, scale, shift, columns);
+        ctx->save_for_backward({y, rstd, value_or_undefined(gamma), value_or_undefined(beta), columns, exact});
+        return {y};
+      }
     }
+    auto [scale, shift] = affine_values(x.scalar_type(), value_or_undefined(gamma), value_or_undefined(beta), offset);
     ctx->saved_data["needs"] = std::vector<bool>{x.requires_grad(), requires_grad(gamma), requires_grad(beta)};
     auto [y, z, rstd] = norm_affine_forward(x, dim, eps, center, out_dtype, scale, shift);
     // an input that needs no gradient (the first norm on frozen embeddings) keeps no rstd
@@ -197,7 +212,7 @@ struct MemorySharingNormFunction : public torch::autograd::Function<MemorySharin
     if (ctx->saved_data["saves_output"].toBool()) {
       const at::Tensor &y = saved[0], &rstd = saved[1], &columns = saved[4], &exact = saved[5];
       const at::ScalarType in_dtype = ctx->saved_data["in_dtype"].toScalarType();
-      auto [scale, shift] = affine_values(in_dtype, saved[2], saved[3], ctx->saved_data["offset"].toDouble());
+      auto [scale, shift] = output_affine(in_dtype, saved[2], saved[3], ctx->saved_data["offset"].toDouble());
       out[0] = norm_output_backward(grad, y, rstd, scale, shift, columns, exact, ctx->saved_data["dim"].toInt(),
                                     ctx->saved_data["center"].toBool(), in_dtype);
       return out;

@@ -3,6 +3,7 @@
 // inferred from those declarations) for the extension's dispatch key. Shared by the CPU and
 // CUDA extensions; the CUDA build defines LOWMEM_CUDA.
 #include <ATen/ATen.h>
+#include <ATen/OpMathType.h>
 #include <c10/util/string_view.h>
 #include <torch/library.h>
 
@@ -117,13 +118,18 @@ std::tuple<at::Tensor, at::Tensor> norm_forward_op(const at::Tensor& x, int64_t 
   return {z, rstd};
 }
 
-// `dim` values of the accumulate type, contiguous; undefined when not given.
+// `dim` values of the accumulate type (or of `also`: the input's own, which the output ops widen), contiguous;
+// undefined when not given.
 at::Tensor affine_values(const char* op, const char* name, const std::optional<at::Tensor>& t, int64_t dim,
-                         at::ScalarType acc, const at::Device& device) {
+                         at::ScalarType acc, const at::Device& device, at::ScalarType also = at::ScalarType::Undefined) {
   if (!t.has_value()) return at::Tensor();
   check_tensor(op, name, *t, device);
-  TORCH_CHECK_VALUE(t->numel() == dim && t->scalar_type() == acc, op, ": expected ", dim, " ", name,
-                    " values of dtype ", acc, ", got ", t->numel(), " of ", t->scalar_type());
+  if (t->numel() != dim || (t->scalar_type() != acc && t->scalar_type() != also)) {
+    std::string dtypes = c10::toString(acc);
+    if (also != at::ScalarType::Undefined && also != acc) dtypes += std::string(" or ") + c10::toString(also);
+    TORCH_CHECK_VALUE(false, op, ": expected ", dim, " ", name, " values of dtype ", dtypes, ", got ", t->numel(),
+                      " of ", t->scalar_type());
+  }
   return t->contiguous();
 }
 
@@ -190,14 +196,15 @@ at::Tensor checked_columns(const char* op, const at::Tensor& columns, int64_t di
 }
 
 // torch_ops.norm_exact_columns, as a loop over the values: scale 0 or |shift| > |scale|.
-template <typename acc_t>
+template <typename value_t>
 at::Tensor exact_columns(const at::Tensor& scale, const at::Tensor& shift, int64_t dim) {
-  const acc_t* s = scale.defined() ? scale.const_data_ptr<acc_t>() : nullptr;
-  const acc_t* b = shift.defined() ? shift.const_data_ptr<acc_t>() : nullptr;
+  using acc_t = at::opmath_type<value_t>;  // exact: half / bfloat16 widened
+  const value_t* s = scale.defined() ? scale.const_data_ptr<value_t>() : nullptr;
+  const value_t* b = shift.defined() ? shift.const_data_ptr<value_t>() : nullptr;
   std::vector<int64_t> columns;
   for (int64_t k = 0; k < dim; ++k) {
-    const acc_t size = s != nullptr ? std::abs(s[k]) : acc_t(1);
-    if (size == acc_t(0) || (b != nullptr && std::abs(b[k]) > size)) columns.push_back(k);
+    const acc_t size = s != nullptr ? std::abs(static_cast<acc_t>(s[k])) : acc_t(1);
+    if (size == acc_t(0) || (b != nullptr && std::abs(static_cast<acc_t>(b[k])) > size)) columns.push_back(k);
   }
   // one allocation, no operator (at::tensor calls several): this runs on every forward of a frozen norm
   at::Tensor out = at::empty({static_cast<int64_t>(columns.size())}, at::kLong);
@@ -209,13 +216,12 @@ at::Tensor norm_exact_columns_op(const std::optional<at::Tensor>& scale, const s
   const char* op = "norm_exact_columns";
   TORCH_CHECK_VALUE(scale.has_value() || shift.has_value(), op, ": needs a scale or a shift");
   const at::Tensor& any = scale.has_value() ? *scale : *shift;
-  TORCH_CHECK_TYPE(any.scalar_type() == at::kFloat || any.scalar_type() == at::kDouble, op,
-                   ": expected float32 or float64 values, got ", any.scalar_type());
+  check_float(op, scale.has_value() ? "scale" : "shift", any, any.device());
   const at::Tensor scale_values = affine_values(op, "scale", scale, any.numel(), any.scalar_type(), any.device());
   const at::Tensor shift_values = affine_values(op, "shift", shift, any.numel(), any.scalar_type(), any.device());
   at::Tensor columns;
-  AT_DISPATCH_FLOATING_TYPES(any.scalar_type(), "norm_exact_columns",
-                             [&] { columns = exact_columns<scalar_t>(scale_values, shift_values, any.numel()); });
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, any.scalar_type(), "norm_exact_columns",
+                                  [&] { columns = exact_columns<scalar_t>(scale_values, shift_values, any.numel()); });
   return columns;
 }
 
@@ -229,8 +235,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_output_forward_op(const at::
   TORCH_CHECK_VALUE(scale.has_value() || shift.has_value(), op, ": needs a scale or a shift");
   const int64_t rows = rows_of(op, x, dim);
   const at::ScalarType acc = accumulate_type(x.scalar_type());
-  const at::Tensor scale_values = affine_values(op, "scale", scale, dim, acc, x.device());
-  const at::Tensor shift_values = affine_values(op, "shift", shift, dim, acc, x.device());
+  const at::Tensor scale_values = affine_values(op, "scale", scale, dim, acc, x.device(), x.scalar_type());
+  const at::Tensor shift_values = affine_values(op, "shift", shift, dim, acc, x.device(), x.scalar_type());
   const at::Tensor c = checked_columns(op, columns, dim, x.device());
   at::Tensor y = at::empty(x.sizes(), x.options().dtype(out_dtype));
   at::Tensor rstd = at::empty({rows}, x.options().dtype(acc));
@@ -260,8 +266,8 @@ at::Tensor norm_output_backward_op(const at::Tensor& grad, const at::Tensor& y, 
                         exact.scalar_type() == y.scalar_type(),
                     op, ": expected exact of shape [", rows, ", ", c.numel(), "] and dtype ", y.scalar_type(),
                     ", got ", exact.sizes(), " ", exact.scalar_type());
-  const at::Tensor scale_values = affine_values(op, "scale", scale, dim, acc, grad.device());
-  const at::Tensor shift_values = affine_values(op, "shift", shift, dim, acc, grad.device());
+  const at::Tensor scale_values = affine_values(op, "scale", scale, dim, acc, grad.device(), y.scalar_type());
+  const at::Tensor shift_values = affine_values(op, "shift", shift, dim, acc, grad.device(), y.scalar_type());
   at::Tensor grad_input = at::empty(y.sizes(), y.options().dtype(dtype));
   if (rows > 0) {
     norm_output_backward(grad.to(y.scalar_type()).contiguous(), y.contiguous(), rstd.contiguous(), scale_values,

@@ -178,6 +178,34 @@ def test_norm_output_ops_match_reference(kernel_backend, center, dtype, out_dtyp
             )
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_norm_output_ops_widen_an_affine_in_the_input_dtype(kernel_backend, dtype):
+    """The output ops take a frozen half / bfloat16 affine as it is (no cast before every call): the same columns,
+    y, exact and input gradient, bit for bit, as with the affine widened to fp32 first; rows of 768 and 4099
+    elements (the kernels' vector and one-by-one paths). Another dtype is refused by name."""
+    ext, device = kernel_backend.module, kernel_backend.device
+    for rows, dim in ((5, 768), (3, 4099)):
+        x = (torch.randn(rows, dim, dtype=torch.float64) * 3 + 2).to(dtype=dtype, device=device)
+        g = torch.randn(rows, dim, dtype=torch.float64).to(dtype=dtype, device=device)
+        scale = (torch.randn(dim, device=device) + 1).to(dtype)
+        shift = (torch.randn(dim, device=device) / 2).to(dtype)
+        scale[::97] = 0.0
+        for narrow in ((scale, shift), (scale, None), (None, shift)):
+            wide = tuple(None if t is None else t.float() for t in narrow)
+            columns = ext.norm_exact_columns(*narrow)
+            assert torch.equal(columns, ext.norm_exact_columns(*wide)) and columns.numel() > 0
+            got = ext.norm_output_forward(x, dim, 1e-5, True, dtype, *narrow, columns)
+            want = ext.norm_output_forward(x, dim, 1e-5, True, dtype, *wide, columns)
+            assert all(torch.equal(a, b) for a, b in zip(got, want))
+            y, rstd, exact = got
+            grad_input = ext.norm_output_backward(g, y, rstd, *narrow, columns, exact, dim, True, dtype)
+            assert torch.equal(grad_input, ext.norm_output_backward(g, y, rstd, *wide, columns, exact, dim, True, dtype))
+    with pytest.raises(ValueError, match=f"norm_output_forward: expected {dim} scale values of dtype .* or .*got"):
+        ext.norm_output_forward(x, dim, 1e-5, True, dtype, scale.double(), None, columns)
+    with pytest.raises(ValueError, match=f"norm_output_backward: expected {dim} shift values of dtype"):
+        ext.norm_output_backward(g, y, rstd, None, shift[1:], columns, exact, dim, True, dtype)
+
+
 @pytest.mark.parametrize("affine", ["scale", "shift", "scale and shift"])
 @pytest.mark.parametrize(("product_dtype", "weight_dtype"), [(torch.float32,) * 2, (torch.bfloat16, torch.float32),
                                                              (torch.bfloat16,) * 2, (torch.float16,) * 2])  # fmt: skip

@@ -8,7 +8,9 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from lightning_lowmem import kernels
 from lightning_lowmem.functional import ms_layer_norm, ms_rms_norm
 from lightning_lowmem.memory import SavedTensorMeter
 from lightning_lowmem.ops.autocast import autocast_dtype
@@ -106,6 +108,48 @@ def test_frozen_affine_saves_its_output(kind, dtype, recorder):
     (want,) = torch.autograd.grad(stock(xs, (64,), weight, bias), xs, grad)
     assert got.dtype == in_dtype and got.isfinite().all()
     torch.testing.assert_close(got.float(), want, **TOLERANCE[out_dtype])
+
+
+class OperatorNames(TorchDispatchMode):
+    """The names of the operators called under it (``aten._to_copy``, ``lowmem.norm_output_forward``, ...)."""
+
+    def __enter__(self):
+        self.names = []
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("path", ["cpp", "python"])
+def test_frozen_bfloat16_affine_reaches_the_kernels_uncast(path, monkeypatch):
+    """A bfloat16 model's frozen norm: its weight and bias go to the kernels as they are, in the training forward,
+    its backward and the eval forward (a cast of each before every call cost 3-4% of the norm's time), and y and the
+    input gradient are those of the affine widened to fp32 first, bit for bit. Both autograd paths (C++, Python)."""
+    if kernels.backend("cpu") != "cpp":
+        pytest.skip("the CPU extension is not built here")
+    if path == "python":
+        monkeypatch.setattr(kernels, "autograd_in_cpp", lambda x: False)
+    x = (torch.randn(6, 96) * 3 + 1).bfloat16()
+    weight, bias = (torch.rand(96) + 1).bfloat16(), (torch.rand(96) - 0.5).bfloat16()
+    weight[0] = 0.0  # a column saved exactly
+    grad = torch.randn(6, 96).bfloat16()
+
+    def step(weight, bias):
+        leaf = x.clone().requires_grad_()
+        with OperatorNames() as ops:
+            y = ms_layer_norm(leaf, (96,), weight=weight, bias=bias)
+            (grad_input,) = torch.autograd.grad(y, leaf, grad)
+            with torch.no_grad():
+                evaluated = ms_layer_norm(x, (96,), weight=weight, bias=bias)
+        return (y, grad_input, evaluated), ops.names
+
+    got, names = step(weight, bias)
+    assert "aten._to_copy" not in names and names.count("lowmem.norm_output_forward") == 2
+    assert "lowmem.norm_output_backward" in names
+    want, _ = step(weight.float(), bias.float())
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
 def test_frozen_affine_with_many_columns_y_cannot_give_back_saves_z(recorder):

@@ -273,16 +273,24 @@ def affine(
     return out.to(dtype or z.dtype)
 
 
-def check_affine(op: str, dim: int, dtype: torch.dtype, scale: torch.Tensor | None, shift: torch.Tensor | None) -> None:
-    """A scale or a shift (or both) of ``dim`` values of the accumulate ``dtype`` each, else an error naming ``op``."""
+def check_affine(
+    op: str, dim: int, dtype: torch.dtype, scale: torch.Tensor | None, shift: torch.Tensor | None, widens: bool = False
+) -> None:
+    """A scale or a shift (or both) of ``dim`` values of the accumulate ``dtype`` each (or of ``dtype`` itself where
+    the op ``widens`` them: the output ops take a frozen parameter as it is), else an error naming ``op``."""
     if scale is None and shift is None:
         raise ValueError(f"{op}: needs a scale or a shift")
-    acc = accumulate_dtype(dtype)
+    dtypes = dict.fromkeys((accumulate_dtype(dtype), dtype) if widens else (accumulate_dtype(dtype),))
     for name, values in (("scale", scale), ("shift", shift)):
-        if values is not None and (values.numel() != dim or values.dtype != acc):
+        if values is not None and (values.numel() != dim or values.dtype not in dtypes):
+            expected = " or ".join(map(str, dtypes))
             raise ValueError(
-                f"{op}: expected {dim} {name} values of dtype {acc}, got {values.numel()} of {values.dtype}"
+                f"{op}: expected {dim} {name} values of dtype {expected}, got {values.numel()} of {values.dtype}"
             )
+
+
+def _widened(values: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    return None if values is None else values.to(dtype)
 
 
 @declare()
@@ -341,10 +349,13 @@ def norm_output_forward(
     """``(y, rstd, exact)``: ``norm_affine_forward`` for a norm that saves its output ``y`` rather than ``z``
     (a frozen affine): no ``z`` is written, ``y`` is rounded once, from ``z`` unrounded (as stock's), and
     ``exact`` (rows x ``len(columns)``, ``out_dtype``) holds ``z`` at the ``columns`` (ascending int64
-    indices, each once: the affine's ``norm_exact_columns``)."""
-    check_affine("norm_output_forward", dim, x.dtype, scale, shift)
-    z, rstd = norm_forward(x, dim, eps, center, accumulate_dtype(x.dtype))  # unrounded
-    return affine(z, scale, shift).to(out_dtype), rstd, z.view(-1, dim)[:, columns].to(out_dtype)
+    indices, each once: the affine's ``norm_exact_columns``). ``scale`` and ``shift`` may be in ``x``'s own dtype
+    (a frozen parameter as it is), widened to the accumulate dtype."""
+    check_affine("norm_output_forward", dim, x.dtype, scale, shift, widens=True)
+    acc = accumulate_dtype(x.dtype)
+    z, rstd = norm_forward(x, dim, eps, center, acc)  # unrounded
+    y = affine(z, _widened(scale, acc), _widened(shift, acc))
+    return y.to(out_dtype), rstd, z.view(-1, dim)[:, columns].to(out_dtype)
 
 
 @declare()
@@ -361,7 +372,11 @@ def norm_output_backward(
     dtype: torch.dtype,
 ) -> torch.Tensor:
     """``norm_backward``'s input gradient with ``z = (y - shift) / scale`` rebuilt from the saved output,
-    except at ``columns`` (ascending int64 indices, each once), whose ``z`` is ``exact``."""
+    except at ``columns`` (ascending int64 indices, each once), whose ``z`` is ``exact``. ``scale`` and ``shift``
+    as ``norm_output_forward`` takes them."""
+    if scale is not None or shift is not None:  # neither: z is y
+        check_affine("norm_output_backward", dim, y.dtype, scale, shift, widens=True)
+    scale, shift = _widened(scale, rstd.dtype), _widened(shift, rstd.dtype)
     z = y.reshape(-1, dim).to(rstd.dtype)
     z = z if shift is None else z - shift
     z = z if scale is None else z / scale

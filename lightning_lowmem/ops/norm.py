@@ -49,6 +49,17 @@ def affine_values(
     return (None if gamma is None else affine_scale(gamma, offset).to(acc)), (None if beta is None else beta.to(acc))
 
 
+def output_affine(
+    x_dtype: torch.dtype, gamma: torch.Tensor | None, beta: torch.Tensor | None, offset: float
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``(gamma + offset, beta)`` as the output ops (``norm_output_forward`` / ``_backward``) take them: as they are
+    in the input's dtype or its accumulate dtype (the kernels widen them: a cast of a frozen bfloat16 affine before
+    each call cost two operators a call, 3-4% of the norm's forward), else cast to the accumulate dtype."""
+    acc = accumulate_dtype(x_dtype)
+    scale = None if gamma is None else affine_scale(gamma, offset)
+    return tuple(t if t is None or t.dtype in (x_dtype, acc) else t.to(acc) for t in (scale, beta))
+
+
 def writes_output_alone(x: torch.Tensor) -> bool:
     """Whether ``x``'s kernels write ``y`` alone with the affine fused (``norm_output_forward``): the CPU ones.
     The GPU ones write ``z`` and ``y`` (their ``norm_output_forward`` is the PyTorch reference, and the count of
@@ -102,14 +113,17 @@ class MemorySharingNormFunction(torch.autograd.Function):
         impl = kernels.implementation(x.device)
         affine = gamma is not None or beta is not None
         ctx.dim, ctx.center, ctx.in_dtype, ctx.offset, ctx.op = dim, center, x.dtype, offset, name
-        scale, shift = affine_values(x.dtype, gamma, beta, offset)
-        columns = impl.norm_exact_columns(scale, shift) if max_exact >= 0 else None
-        ctx.saves_output = columns is not None and columns.numel() <= max_exact
-        if ctx.saves_output:
-            y, rstd, exact = impl.norm_output_forward(x, dim, eps, center, out_dtype, scale, shift, columns)
-            ctx.save_for_backward(y, rstd, gamma, beta, columns, exact)
-            return y, None
+        ctx.saves_output = False
+        if max_exact >= 0:
+            scale, shift = output_affine(x.dtype, gamma, beta, offset)
+            columns = impl.norm_exact_columns(scale, shift)
+            ctx.saves_output = columns.numel() <= max_exact
+            if ctx.saves_output:
+                y, rstd, exact = impl.norm_output_forward(x, dim, eps, center, out_dtype, scale, shift, columns)
+                ctx.save_for_backward(y, rstd, gamma, beta, columns, exact)
+                return y, None
         if affine:
+            scale, shift = affine_values(x.dtype, gamma, beta, offset)
             y, z, rstd = impl.norm_affine_forward(x, dim, eps, center, out_dtype, scale, shift)
         else:
             z, rstd = impl.norm_forward(x, dim, eps, center, out_dtype)
@@ -129,7 +143,7 @@ class MemorySharingNormFunction(torch.autograd.Function):
         refuse_double_backward(ctx.op)
         if ctx.saves_output:
             y, rstd, gamma, beta, columns, exact = ctx.saved_tensors
-            scale, shift = affine_values(ctx.in_dtype, gamma, beta, ctx.offset)
+            scale, shift = output_affine(ctx.in_dtype, gamma, beta, ctx.offset)
             grad_input = kernels.implementation(grad.device).norm_output_backward(
                 grad, y, rstd, scale, shift, columns, exact, ctx.dim, ctx.center, ctx.in_dtype
             )
@@ -216,11 +230,13 @@ def memory_sharing_norm(
     if not affine:
         z, _ = impl.norm_forward(x, dim, eps, center, out_dtype)
         return z, z
-    scale, shift = affine_values(x.dtype, weight, bias, weight_offset)
     if writes_output_alone(x):  # nothing is saved, so nothing needs z: y alone, one tensor written as stock's
+        scale, shift = output_affine(x.dtype, weight, bias, weight_offset)
         y, _, _ = impl.norm_output_forward(x, dim, eps, center, out_dtype, scale, shift, _NO_COLUMNS)
         return y, None
-    y, z, _ = impl.norm_affine_forward(x, dim, eps, center, out_dtype, scale, shift)
+    y, z, _ = impl.norm_affine_forward(
+        x, dim, eps, center, out_dtype, *affine_values(x.dtype, weight, bias, weight_offset)
+    )
     return y, z
 
 
