@@ -10,7 +10,7 @@ saves its output, and z at the 0.25% of columns where it cannot be rebuilt from 
 bandwidth a compiled kernel reaches (bytes it must read and write / its time) as a fraction of
 what ``torch.add`` reaches on tensors of the same shape and dtype. Writes the "kernels" section of ``benchmarks/RESULTS.md``.
 
-    python -m benchmarks.op_speed [--repeats N] [--processes P] [--quick]
+    python -m benchmarks.op_speed [--repeats N] [--processes P] [--quick] [--ops TEXT]
 """
 
 from __future__ import annotations
@@ -202,16 +202,19 @@ def table_row(name: str, shape: tuple[int, ...], dtype: torch.dtype, runs: list[
     ]
 
 
-def rows(quick: bool) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
-    return [(name, shape, dtype) for name in OPS for shape in (SHAPES[:2] if quick else SHAPES) for dtype in DTYPES]
+def rows(quick: bool, ops: str = "") -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    """The table's rows: every op (or those whose name contains ``ops``) at every shape (the first two: ``quick``)
+    and dtype."""
+    shapes = SHAPES[:2] if quick else SHAPES
+    return [(name, shape, dtype) for name in OPS if ops in name for shape in shapes for dtype in DTYPES]
 
 
-def measure_all(quick: bool, repeats: int) -> dict[str, object]:
+def measure_all(quick: bool, repeats: int, ops: str = "") -> dict[str, object]:
     """This process's rounds of every row (the first row timed once before, thrown away: the first timing in
     a process is slow for low-mem and stock alike, and unevenly: the thread pool starting, malloc growing
     its heap), with the reference spread after them and whether glibc kept its heap."""
-    timed_rounds(*rows(quick)[0], repeats)
-    runs = [timed_rounds(*row, repeats) for row in rows(quick)]
+    timed_rounds(*rows(quick, ops)[0], repeats)
+    runs = [timed_rounds(*row, repeats) for row in rows(quick, ops)]
     return {"runs": runs, "spread": reference_spread(), "steady_heap": bool(steady_heap())}
 
 
@@ -236,17 +239,21 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=15, help="interleaved rounds in each process")
     parser.add_argument("--processes", type=int, default=3, help="fresh processes taking the rounds, one after another")
     parser.add_argument("--quick", action="store_true", help="first two shapes only, in this process, no RESULTS.md")
+    parser.add_argument("--ops", default="", help="only the ops whose name contains this text, no RESULTS.md")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # prints its rounds as JSON
     args = parser.parse_args()
+    if not rows(args.quick, args.ops):
+        parser.error(f"no op's name contains {args.ops!r}; the ops: {', '.join(OPS)}")
     if args.worker:
-        print(json.dumps(measure_all(args.quick, args.repeats)))
+        print(json.dumps(measure_all(args.quick, args.repeats, args.ops)))
         return
     active = kernels.backend("cpu")
     print(f"backend: {active}, threads: {torch.get_num_threads()}, processes: {1 if args.quick else args.processes}")
     if args.quick:
-        measured = [measure_all(True, args.repeats)]
+        measured = [measure_all(True, args.repeats, args.ops)]
     else:
         worker = [sys.executable, "-m", "benchmarks.op_speed", "--worker", "--repeats", str(args.repeats)]
+        worker += ["--ops", args.ops]
         measured = []
         for process in range(args.processes):
             print(f"process {process + 1} of {args.processes} ...", flush=True)
@@ -254,12 +261,12 @@ def main() -> None:
             measured.append(json.loads(done.stdout.splitlines()[-1]))
             record_worker_run(measured[-1]["spread"], measured[-1]["steady_heap"])
     table_rows = []
-    for index, row in enumerate(rows(args.quick)):
+    for index, row in enumerate(rows(args.quick, args.ops)):
         table_rows.append(table_row(*row, [run["runs"][index] for run in measured]))
         print(" | ".join(table_rows[-1]), flush=True)
     table = markdown_table(HEADER, table_rows)
     print(table)
-    if args.quick:
+    if args.quick or args.ops:  # a part of the table
         return
     body = (
         f"### Compiled kernels (backend `{active}`)\n\n"
