@@ -84,13 +84,14 @@ void token_log_probs_grad(at::Tensor& logits, const at::Tensor& target, const at
 
 // CPU only (a norm with a frozen affine, lightning_lowmem/ops/norm.py): norm_forward writing y, not z, with y
 // rounded once from the unrounded z (as stock), and z at the `columns` (int64) of each row into `exact`
-// (rows x columns, y's dtype): those y cannot give z back.
+// (rows x columns, y's dtype): those y cannot give z back. These two take scale and shift in the accumulate type
+// or in x's own (a frozen half / bfloat16 parameter as it is), and widen them.
 void norm_output_forward(const at::Tensor& x, int64_t dim, double eps, bool center, at::Tensor& rstd,
                          const at::Tensor& scale, const at::Tensor& shift, at::Tensor& y, const at::Tensor& columns,
                          at::Tensor& exact);
 
 // norm_backward's input gradient from y and rstd: z = (y - shift) / scale (an undefined scale is 1, an undefined
-// shift 0; `dim` values of rstd's dtype), except at `columns`, whose z is `exact`.
+// shift 0; `dim` values of rstd's or y's dtype), except at `columns`, whose z is `exact`.
 void norm_output_backward(const at::Tensor& grad, const at::Tensor& y, const at::Tensor& rstd, const at::Tensor& scale,
                           const at::Tensor& shift, const at::Tensor& columns, const at::Tensor& exact, int64_t dim,
                           bool center, at::Tensor& grad_input);
