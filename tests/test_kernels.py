@@ -199,7 +199,9 @@ def test_norm_output_ops_widen_an_affine_in_the_input_dtype(kernel_backend, dtyp
             assert all(torch.equal(a, b) for a, b in zip(got, want))
             y, rstd, exact = got
             grad_input = ext.norm_output_backward(g, y, rstd, *narrow, columns, exact, dim, True, dtype)
-            assert torch.equal(grad_input, ext.norm_output_backward(g, y, rstd, *wide, columns, exact, dim, True, dtype))
+            assert torch.equal(
+                grad_input, ext.norm_output_backward(g, y, rstd, *wide, columns, exact, dim, True, dtype)
+            )
     with pytest.raises(ValueError, match=f"norm_output_forward: expected {dim} scale values of dtype .* or .*got"):
         ext.norm_output_forward(x, dim, 1e-5, True, dtype, scale.double(), None, columns)
     with pytest.raises(ValueError, match=f"norm_output_backward: expected {dim} shift values of dtype"):
