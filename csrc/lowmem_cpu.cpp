@@ -503,6 +503,17 @@ acc_t lane_sum(Vectorized<acc_t> v) {
   return at::vec::vec_reduce_all([](Vectorized<acc_t> a, Vectorized<acc_t> b) { return a + b; }, v);
 }
 
+// Asks for `bytes` from `next` (the same span of the row to come) into L2, from a pass over a row already in L1:
+// such a pass makes no request of its own, and the memory would idle through it. The norm forward's last pass
+// (op level, AVX2, in-process A/B: the frozen norm's forward at 768 fp32 columns 0.86-0.89x stock's time against
+// 0.96-1.04x; the backward's passes gained nothing from it and lost in bfloat16).
+template <typename X>
+void prefetch_span(const X* next, int64_t bytes) {
+  for (int64_t offset = 0; offset < bytes; offset += 64) {
+    __builtin_prefetch(reinterpret_cast<const char*>(next) + offset, /*rw=*/0, /*locality=*/2);
+  }
+}
+
 // The sum of term(x) over a row of dim elements of X, in acc_t: term takes a Vectorized<acc_t> or an acc_t.
 // Four vector accumulators, two pairs a step: each accumulator's adds wait on one another, and a pass over a
 // row in cache was bound by that wait with two (the norm forward's second pass, AMD EPYC).
@@ -552,9 +563,10 @@ std::tuple<Vectorized<acc_t>, Vectorized<acc_t>> affine_pair(Vectorized<acc_t> y
 }
 
 // Rows in parallel; per row the mean, then the centered sum of squares, then z: three passes over the
-// row, all but the first from cache, in acc_t (fp32 for half/bfloat16, fp64 for fp64). A non-null y also
-// gets the affine of z in the last pass: of z just stored (in cache), or of z unrounded, as stock's, when z
-// is null. A non-null `exact` gets z at the n_columns `columns` of each row (rows x n_columns).
+// row, all but the first from cache (the last asks for the next row meanwhile), in acc_t (fp32 for half/bfloat16,
+// fp64 for fp64). A non-null y also gets the affine of z in the last pass: of z just stored (in cache), or of z
+// unrounded, as stock's, when z is null. A non-null `exact` gets z at the n_columns `columns` of each row (rows x
+// n_columns).
 template <typename T, typename U>
 void norm_forward_kernel(const T* x, int64_t rows, int64_t dim, double eps, bool center, U* z, at::opmath_type<T>* rstd,
                          const at::opmath_type<T>* scale, const at::opmath_type<T>* shift, U* y,
@@ -573,8 +585,10 @@ void norm_forward_kernel(const T* x, int64_t rows, int64_t dim, double eps, bool
       rstd[row] = r;
       const Vec vr(r);
       U* yr = y == nullptr ? nullptr : y + row * dim;
+      const T* next = row + 1 < end ? xr + dim : nullptr;
       int64_t i = 0;
       for (; i + kStep <= dim; i += kStep) {
+        if (next != nullptr) prefetch_span(next + i, kStep * int64_t(sizeof(T)));
         const auto [x0, x1] = load_pair<acc_t>(xr + i);
         const Vec z0 = normalized(x0, vmean, vr), z1 = normalized(x1, vmean, vr);
         if (zr != nullptr) store_pair<acc_t>(zr + i, z0, z1);
