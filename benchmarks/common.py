@@ -159,15 +159,24 @@ def reference_spread(repeats: int = 60) -> float:
     return (quartiles[-1] - quartiles[0]) / statistics.median(times)
 
 
-def busy_reason(spread: float) -> str | None:
-    """Why CPU timings taken in this process cannot be trusted, or None (GPU timings are not checked)."""
+def busy_reason(spread: float | None) -> str | None:
+    """Why CPU timings taken in this process cannot be trusted (``spread``: the reference op's, None before any
+    timing), or None (GPU timings are not checked)."""
     if torch.cuda.is_available():
         return None
     if LOAD_AT_START > MAX_LOAD:
         return f"the 1-minute load average was {LOAD_AT_START:.2f} when the benchmark started (quiet: <= {MAX_LOAD})"
-    if spread > MAX_SPREAD:
+    if spread is not None and spread > MAX_SPREAD:
         return f"a reference op's run-to-run spread is {spread:.0%} (quiet: <= {MAX_SPREAD:.0%})"
     return None
+
+
+def warn_if_busy() -> None:
+    """Says before a timing run, rather than after it, that its timings will not be written (a full op benchmark
+    runs 25 minutes before it would find out)."""
+    reason = busy_reason(None)
+    if reason is not None:
+        print(f"warning: {reason}: the timings will print, not go into RESULTS.md", file=sys.stderr, flush=True)
 
 
 def cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import interleaved_times, markdown_table, paired_ratio, write_section
+from benchmarks.common import interleaved_times, markdown_table, paired_ratio, warn_if_busy, write_section
 from lightning_lowmem import kernels
 from lightning_lowmem.functional import linear_cross_entropy
 from lightning_lowmem.memory import SavedTensorMeter
@@ -162,6 +162,7 @@ def main() -> None:
     parser.add_argument("--rss", choices=("stock", "fused"), help=argparse.SUPPRESS)  # a worker: prints JSON
     parser.add_argument("--tokens", type=int, default=2048, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    warn_if_busy()
     if args.rss:
         print(json.dumps(peak_rss_step(args.rss == "fused", args.tokens)))
         return

@@ -25,7 +25,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import zoo
-from benchmarks.common import interleaved_times, markdown_table, paired_ratio, write_section
+from benchmarks.common import interleaved_times, markdown_table, paired_ratio, warn_if_busy, write_section
 from lightning_lowmem import apply_lowmem
 
 SIZES = {"n_embd": 256, "n_head": 4, "n_query_groups": 4, "head_size": 64, "padded_vocab_size": 1024}
@@ -101,6 +101,7 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, no RESULTS.md update")
     parser.add_argument("--repeats", type=int, default=10)
     args = parser.parse_args()
+    warn_if_busy()
     tokens = torch.randint(0, 128 if args.smoke else SIZES["padded_vocab_size"], (2, 16 if args.smoke else 64))
     header = ["architecture", "recipe", "LitGPT: stock -> lightning-lowmem", "Hugging Face (+ peft): stock -> lightning-lowmem"]  # fmt: skip
     table = markdown_table(header, memory_rows(args.smoke, tokens))

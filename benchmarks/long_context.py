@@ -37,7 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import interleaved_times, markdown_table, paired_ratio, write_section
+from benchmarks.common import interleaved_times, markdown_table, paired_ratio, warn_if_busy, write_section
 from benchmarks.real_scale import (
     CONFIGS,
     DECODER_BLOCKS,
@@ -269,6 +269,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128, help="the first measurement length (and 2 x it + 1)")
     parser.add_argument("--timing", action="store_true", help="each rung's step time on this CPU, then exit")
     args = parser.parse_args()
+    warn_if_busy()
     quiet()
     if args.timing:
         body = timing(args.smoke)

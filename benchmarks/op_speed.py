@@ -35,6 +35,7 @@ from benchmarks.common import (
     record_worker_run,
     reference_spread,
     steady_heap,
+    warn_if_busy,
     write_section,
 )
 from lightning_lowmem import functional, kernels
@@ -247,6 +248,7 @@ def main() -> None:
     if args.worker:
         print(json.dumps(measure_all(args.quick, args.repeats, args.ops)))
         return
+    warn_if_busy()
     active = kernels.backend("cpu")
     print(f"backend: {active}, threads: {torch.get_num_threads()}, processes: {1 if args.quick else args.processes}")
     if args.quick:

@@ -28,7 +28,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import zoo
-from benchmarks.common import interleaved_times, markdown_table, paired_ratio, write_section
+from benchmarks.common import interleaved_times, markdown_table, paired_ratio, warn_if_busy, write_section
 from benchmarks.zoo import FAMILIES, Family
 from lightning_lowmem import kernels
 from lightning_lowmem.memory import MIB, SavedTensorMeter
@@ -193,6 +193,7 @@ def main() -> None:
     parser.add_argument("--zoo", action="store_true", help="the docs' table of every family in benchmarks/zoo.py")
     parser.add_argument("--smoke", action="store_true", help="32x32 images, 16 tokens, two rows timed once, no writes")
     args = parser.parse_args()
+    warn_if_busy()
     if args.zoo:
         zoo_table()
         return

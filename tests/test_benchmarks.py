@@ -313,3 +313,13 @@ def test_a_forced_cpu_capability_gets_its_own_inductor_cache_and_onednn_cap(monk
     monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
     emulate()
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == "/chosen" and "ONEDNN_MAX_CPU_ISA" not in os.environ
+
+
+def test_a_busy_machine_is_named_before_the_timings_start(monkeypatch, capsys):
+    """A full op benchmark runs 25 minutes: the warning that its timings will not be written comes first."""
+    common = _timed_run(monkeypatch, load=1.7, spread=0.05)
+    common.warn_if_busy()
+    assert "1-minute load average was 1.70" in capsys.readouterr().err
+    monkeypatch.setattr(common, "LOAD_AT_START", 0.1)
+    common.warn_if_busy()
+    assert capsys.readouterr().err == ""
