@@ -59,8 +59,11 @@ at::Tensor as_parameter(const at::Tensor& sums, const at::Tensor& param) {
   return grad.sizes() == param.sizes() ? grad : grad.view(param.sizes());
 }
 
-// `gamma + offset`, the norm's scale (Gemma's RMSNorm: 1 + weight); gamma itself without an offset.
-at::Tensor affine_scale(const at::Tensor& gamma, double offset) { return offset != 0.0 ? gamma + offset : gamma; }
+// ops.norm.affine_scale: `gamma + offset`, the norm's scale (Gemma's RMSNorm: 1 + weight), added in fp32 at least
+// (as Hugging Face's Gemma: 1 + weight.float()); gamma itself without an offset.
+at::Tensor affine_scale(const at::Tensor& gamma, double offset) {
+  return offset != 0.0 ? gamma.to(c10::promoteTypes(gamma.scalar_type(), at::kFloat)) + offset : gamma;
+}
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_affine_forward(const at::Tensor& x, int64_t dim, double eps,
                                                                    bool center, at::ScalarType out_dtype,
@@ -131,16 +134,20 @@ std::tuple<OptionalTensor, OptionalTensor> affine_values(at::ScalarType in_dtype
   return {scale, shift};
 }
 
-// ops.norm.output_affine: gamma + offset and beta as the output ops take them (which widen them): as they are in
-// the input's dtype or its accumulate type, else in the latter.
+// ops.norm.output_affine: gamma + offset and beta as the output ops take them (which widen them): as they are
+// where both are in the input's dtype or both in its accumulate type, else in the latter.
 std::tuple<OptionalTensor, OptionalTensor> output_affine(at::ScalarType in_dtype, const at::Tensor& gamma,
                                                          const at::Tensor& beta, double offset) {
   const at::ScalarType acc = at::toOpMathType(in_dtype);
+  const at::Tensor scale = gamma.defined() ? affine_scale(gamma, offset) : gamma;
+  const at::Tensor& any = scale.defined() ? scale : beta;
+  const at::ScalarType dtype = any.scalar_type();
+  const bool as_they_are = (dtype == in_dtype || dtype == acc) && (!beta.defined() || beta.scalar_type() == dtype);
   const auto taken = [&](const at::Tensor& t) -> OptionalTensor {
     if (!t.defined()) return std::nullopt;
-    return t.scalar_type() == in_dtype || t.scalar_type() == acc ? t : t.to(acc);
+    return as_they_are ? t : t.to(acc);
   };
-  return {taken(gamma.defined() ? affine_scale(gamma, offset) : gamma), taken(beta)};
+  return {taken(scale), taken(beta)};
 }
 
 std::tuple<at::Tensor, at::Tensor> act_forward(const at::Tensor& x, c10::string_view kind,
@@ -414,9 +421,9 @@ struct AffineLinearFunction : public torch::autograd::Function<AffineLinearFunct
     } else if (needs_w && p > 0.0) {  // ops.affine._dropped_input: the input the layer read, rebuilt, then the mask
       at::Tensor x = inputs_saved;
       if (shared) {
-        const at::Tensor& param = gamma.defined() ? gamma : beta;
-        x = in_dtype(x, c10::promoteTypes(dtype, param.scalar_type()));
-        if (gamma.defined()) x = x * in_dtype(affine_scale(gamma, offset), x.scalar_type());
+        const at::Tensor scale = gamma.defined() ? affine_scale(gamma, offset) : at::Tensor();
+        x = in_dtype(x, c10::promoteTypes(dtype, (scale.defined() ? scale : beta).scalar_type()));
+        if (scale.defined()) x = x * in_dtype(scale, x.scalar_type());
         if (beta.defined()) x = x + in_dtype(beta, x.scalar_type());
       }
       const at::Tensor rebuilt = in_dtype(x, dtype);

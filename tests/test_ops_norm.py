@@ -14,7 +14,7 @@ from lightning_lowmem import kernels
 from lightning_lowmem.functional import ms_layer_norm, ms_rms_norm
 from lightning_lowmem.memory import SavedTensorMeter
 from lightning_lowmem.ops.autocast import autocast_dtype
-from lightning_lowmem.ops.norm import memory_sharing_norm
+from lightning_lowmem.ops.norm import memory_sharing_norm, writes_output_alone
 
 NORMS = {
     "layer": (ms_layer_norm, lambda x, shape, eps: F.layer_norm(x, shape, eps=eps)),
@@ -150,6 +150,33 @@ def test_frozen_bfloat16_affine_reaches_the_kernels_uncast(path, monkeypatch):
     assert "lowmem.norm_output_backward" in names
     want, _ = step(weight.float(), bias.float())
     assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+@pytest.mark.parametrize("path", ["cpp", "python"])
+@pytest.mark.parametrize("frozen", [True, False])
+def test_gemma_offset_is_added_in_fp32_as_hugging_face_adds_it(path, frozen, monkeypatch):
+    """Gemma's RMSNorm scales by ``1 + weight.float()``: a bfloat16 weight near 0 added to 1 in bfloat16 kept 8
+    bits of itself, and 25-36% of the norm's outputs differed from Hugging Face's. Where the norm saves its output
+    (frozen, on the CPU's side) that output is Hugging Face's bit for bit; where it saves ``z`` (trainable, or a
+    GPU's side) ``y`` is the affine of the rounded ``z`` it shares, ``(1 + w) z``, with ``1 + w`` in fp32. Both
+    autograd paths (C++, Python)."""
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+
+    if path == "python":
+        monkeypatch.setattr(kernels, "autograd_in_cpp", lambda x: False)
+    stock = GemmaRMSNorm(256, eps=1e-6).to(torch.bfloat16)
+    with torch.no_grad():
+        stock.weight.normal_(0, 0.3)  # pretrained Gemma norms hold weights around 0
+    stock.weight.requires_grad_(not frozen)
+    x = torch.randn(4, 16, 256, dtype=torch.bfloat16, requires_grad=True)
+    y, z = memory_sharing_norm(x, 256, 1e-6, False, stock.weight, None, weight_offset=1.0)
+    assert (z is None) == (frozen and writes_output_alone(x))
+    if z is None:
+        assert torch.equal(y, stock(x))
+    else:
+        scale = 1 + stock.weight.detach().float()
+        assert torch.equal(y, (z.float() * scale).bfloat16())
+        assert not torch.equal(y, (z.float() * (1 + stock.weight.detach())).bfloat16())  # the bfloat16 sum differs
 
 
 def test_frozen_affine_with_many_columns_y_cannot_give_back_saves_z(recorder):

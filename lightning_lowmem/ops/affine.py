@@ -121,9 +121,10 @@ def _dropped_input(ctx, saved: torch.Tensor, gamma, beta, seed: torch.Tensor) ->
     the forward's mask from its seed."""
     x = saved
     if ctx.shared and (gamma is not None or beta is not None):
-        acc = torch.promote_types(ctx.dtype, (gamma if gamma is not None else beta).dtype)
+        scale = None if gamma is None else affine_scale(gamma, ctx.offset)
+        acc = torch.promote_types(ctx.dtype, (scale if scale is not None else beta).dtype)
         x = saved.to(acc)
-        x = x * affine_scale(gamma, ctx.offset).to(acc) if gamma is not None else x
+        x = x * scale.to(acc) if scale is not None else x
         x = x + beta.to(acc) if beta is not None else x
     dropped = kernels.implementation(saved.device).dropout(x.to(ctx.dtype), ctx.p, seed)
     return dropped.reshape(-1, dropped.shape[-1])

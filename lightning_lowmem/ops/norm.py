@@ -37,8 +37,10 @@ _AUTOCAST_INPUTS = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def affine_scale(gamma: torch.Tensor, offset: float) -> torch.Tensor:
-    """``gamma + offset``, the norm's scale (Gemma's RMSNorm: ``1 + weight``); ``gamma`` itself without an offset."""
-    return gamma + offset if offset else gamma
+    """``gamma + offset``, the norm's scale (Gemma's RMSNorm: ``1 + weight``), added in fp32 at least, as Hugging
+    Face's Gemma adds it (``1 + weight.float()``: in bfloat16 a weight near 0 lost all but 8 bits of itself, and
+    a third of a bfloat16 norm's outputs differed from the stock model's); ``gamma`` itself without an offset."""
+    return gamma.to(torch.promote_types(gamma.dtype, torch.float32)) + offset if offset else gamma
 
 
 def affine_values(
@@ -53,11 +55,15 @@ def output_affine(
     x_dtype: torch.dtype, gamma: torch.Tensor | None, beta: torch.Tensor | None, offset: float
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """``(gamma + offset, beta)`` as the output ops (``norm_output_forward`` / ``_backward``) take them: as they are
-    in the input's dtype or its accumulate dtype (the kernels widen them: a cast of a frozen bfloat16 affine before
-    each call cost two operators a call, 3-4% of the norm's forward), else cast to the accumulate dtype."""
+    where both are in the input's dtype or both in its accumulate dtype (the kernels widen them: a cast of a frozen
+    bfloat16 affine before each call cost two operators a call, 3-4% of the norm's forward), else cast to the
+    accumulate dtype."""
     acc = accumulate_dtype(x_dtype)
     scale = None if gamma is None else affine_scale(gamma, offset)
-    return tuple(t if t is None or t.dtype in (x_dtype, acc) else t.to(acc) for t in (scale, beta))
+    dtypes = {t.dtype for t in (scale, beta) if t is not None}
+    if len(dtypes) == 1 and dtypes <= {x_dtype, acc}:
+        return scale, beta
+    return tuple(None if t is None else t.to(acc) for t in (scale, beta))
 
 
 def writes_output_alone(x: torch.Tensor) -> bool:
