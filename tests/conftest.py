@@ -146,9 +146,10 @@ def run_ddp_script(tmp_path, template: str, **fields: Any) -> Any:
     """Run a Lightning 2-process DDP script in a fresh interpreter and return the JSON it wrote to ``{out}``.
 
     ``template`` is formatted with ``fields`` plus ``out``, ``root`` (``tmp_path``) and ``tests`` (this folder,
-    also on the path). The script ends by destroying the process group: gloo's worker threads still holding
-    tensors at interpreter shutdown abort the process (SIGABRT, "terminate called without an active
-    exception", pytorch/pytorch#179291), intermittently, after a run that succeeded."""
+    also on the path). The script ends by destroying the process group and leaves without the interpreter's
+    shutdown (``os._exit`` once its output is flushed): gloo's worker threads still holding tensors at shutdown
+    abort the process (SIGABRT, "terminate called without an active exception", pytorch/pytorch#179291),
+    intermittently, after a run that succeeded; destroying the group alone left 1 run in 6 aborting here."""
     import json
     import subprocess
     import sys
@@ -158,7 +159,12 @@ def run_ddp_script(tmp_path, template: str, **fields: Any) -> Any:
     tests = Path(__file__).resolve().parent
     out, path = tmp_path / "ddp.json", tmp_path / "ddp_run.py"
     text = textwrap.dedent(template).format(out=str(out), root=str(tmp_path), tests=str(tests), **fields)
-    path.write_text(text + "\nif torch.distributed.is_initialized():\n    torch.distributed.destroy_process_group()\n")
+    ending = (  # the script's own run: not where torch.multiprocessing's spawned children import it
+        '\nif __name__ == "__main__":\n'
+        "    if torch.distributed.is_initialized():\n        torch.distributed.destroy_process_group()\n"
+        "    import os as _os, sys as _sys\n    _sys.stdout.flush()\n    _sys.stderr.flush()\n    _os._exit(0)\n"
+    )
+    path.write_text(text + ending)
     env = {k: v for k, v in os.environ.items() if k.startswith(("LIGHTNING_LOWMEM", "HOME", "TMP"))}
     env.update(PYTHONPATH=os.pathsep.join([str(tests.parent), str(tests)]), PATH="/usr/bin:/bin")
     subprocess.run([sys.executable, str(path)], check=True, cwd=tmp_path, env=env, timeout=300)
