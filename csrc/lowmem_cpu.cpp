@@ -505,8 +505,9 @@ acc_t lane_sum(Vectorized<acc_t> v) {
 
 // Asks for `bytes` from `next` (the same span of the row to come) into L2, from a pass over a row already in L1:
 // such a pass makes no request of its own, and the memory would idle through it. The norm forward's last pass
-// (op level, AVX2, in-process A/B: the frozen norm's forward at 768 fp32 columns 0.86-0.89x stock's time against
-// 0.96-1.04x; the backward's passes gained nothing from it and lost in bfloat16).
+// (op level, AVX2, in-process A/B: the forward at 768 columns 0.92-0.94x stock's time against 0.95-1.00x at load
+// 0.3, 0.85-0.89x against 0.96-1.04x at load 1; forward+backward not faster; the backward's passes gained nothing
+// from it and lost in bfloat16).
 template <typename X>
 void prefetch_span(const X* next, int64_t bytes) {
   for (int64_t offset = 0; offset < bytes; offset += 64) {
