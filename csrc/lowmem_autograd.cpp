@@ -339,6 +339,30 @@ std::tuple<at::Tensor, at::Tensor> drop_input_and_grad(const at::Tensor& x, cons
   return {read, masked};
 }
 
+// kernels.torch_ops.affine: scale * z + shift in their dtype (either may be absent), returned in `dtype`.
+at::Tensor affine(const at::Tensor& z, const OptionalTensor& scale, const OptionalTensor& shift, at::ScalarType dtype) {
+  const at::Tensor out = in_dtype(z, (scale.has_value() ? *scale : *shift).scalar_type());
+  if (scale.has_value() && shift.has_value()) return in_dtype(at::addcmul(*shift, out, *scale), dtype);
+  return in_dtype(scale.has_value() ? out * *scale : out + *shift, dtype);
+}
+
+// ops.affine._norm_output: the output y of the norm whose z a linear shares, as the norm computed it.
+at::Tensor norm_output(const at::Tensor& z, const at::Tensor& gamma, const at::Tensor& beta, double offset) {
+  const auto [scale, shift] = affine_values(z.scalar_type(), gamma, beta, offset);
+  return affine(z, scale, shift, z.scalar_type());
+}
+
+// ops.affine._input_read: (x, scale, shift) that rebuild the input a linear with a folded dropout read before its
+// mask: a shared z with the norm's affine where the norm's output is of the layer's dtype, else that output itself.
+std::tuple<at::Tensor, OptionalTensor, OptionalTensor> input_read(const at::Tensor& saved, bool shared,
+                                                                   const at::Tensor& gamma, const at::Tensor& beta,
+                                                                   double offset, at::ScalarType dtype) {
+  if (!shared) return {saved, std::nullopt, std::nullopt};
+  if (saved.scalar_type() != dtype) return {norm_output(saved, gamma, beta, offset), std::nullopt, std::nullopt};
+  const auto [scale, shift] = affine_values(saved.scalar_type(), gamma, beta, offset);
+  return {saved, scale, shift};
+}
+
 // The seed a function keeps for its backward: its values where they live on the host (no tensor saved), its tensor
 // otherwise (appended to `saved`).
 void keep_seed(AutogradContext* ctx, const PhiloxSeed& seed, std::vector<at::Tensor>& saved) {
@@ -413,21 +437,15 @@ struct AffineLinearFunction : public torch::autograd::Function<AffineLinearFunct
     at::Tensor grad_x;
     if (needs_x) grad_x = grad.matmul(in_dtype(weight, dtype));
     if (needs_w && applies && needs_x) {  // the input the layer read and the gradient of it: one mask, one pass
-      OptionalTensor scale, shift;
-      if (shared) std::tie(scale, shift) = affine_values(dtype, gamma, beta, offset);
+      const auto [x, scale, shift] = input_read(inputs_saved, shared, gamma, beta, offset, dtype);
       at::Tensor read;
-      std::tie(read, grad_x) = drop_input_and_grad(inputs_saved, scale, shift, dtype, grad_x, p, seed);
+      std::tie(read, grad_x) = drop_input_and_grad(x, scale, shift, dtype, grad_x, p, seed);
       out[2] = in_dtype(grad_2d.t().mm(read.reshape({-1, read.size(-1)})), weight.scalar_type());
     } else if (needs_w && p > 0.0) {  // ops.affine._dropped_input: the input the layer read, rebuilt, then the mask
-      at::Tensor x = inputs_saved;
-      if (shared) {
-        const at::Tensor scale = gamma.defined() ? affine_scale(gamma, offset) : at::Tensor();
-        x = in_dtype(x, c10::promoteTypes(dtype, (scale.defined() ? scale : beta).scalar_type()));
-        if (scale.defined()) x = x * in_dtype(scale, x.scalar_type());
-        if (beta.defined()) x = x + in_dtype(beta, x.scalar_type());
-      }
-      const at::Tensor rebuilt = in_dtype(x, dtype);
-      const at::Tensor read = dropped(rebuilt, p, seed, /*owned=*/!rebuilt.is_same(inputs_saved));
+      // the mask where the forward took it: the layer's own in its dtype, a dropout before it in x's
+      const at::Tensor x = shared ? norm_output(inputs_saved, gamma, beta, offset) : inputs_saved;
+      const at::Tensor input = applies ? in_dtype(x, dtype) : x;
+      const at::Tensor read = in_dtype(dropped(input, p, seed, /*owned=*/!input.is_same(inputs_saved)), dtype);
       out[2] = in_dtype(grad_2d.t().mm(read.reshape({-1, read.size(-1)})), weight.scalar_type());
     } else if (needs_w) {
       // ops.affine._weight_grad: (grad^T z) * (gamma + offset) + outer(sum(grad), beta) from a shared z, one pass

@@ -19,7 +19,9 @@ from lightning_lowmem import apply_lowmem, kernels
 from lightning_lowmem.kernels import torch_ops
 from lightning_lowmem.memory import SavedTensorMeter
 from lightning_lowmem.nn import LowMemLinear, MemorySharingNorm, SeededDropout
-from lightning_lowmem.ops.dropout import seeded_dropout
+from lightning_lowmem.ops.affine import affine_linear
+from lightning_lowmem.ops.dropout import dropout_and_seed, seeded_dropout
+from lightning_lowmem.ops.norm import memory_sharing_norm
 
 CPU = torch.device("cpu")
 
@@ -220,6 +222,46 @@ def test_compiled_fullgraph_without_graph_breaks_applies_one_mask_forward_and_ba
     out.backward(grad)
     mask = (out != 0).float()
     torch.testing.assert_close(x.grad, (grad * mask * 2) @ layer[0].weight)
+
+
+@pytest.mark.parametrize("autograd", ["cpp", "python"])
+@pytest.mark.parametrize("where", ["folded", "before"])
+@pytest.mark.parametrize("linear_dtype", [torch.bfloat16, torch.float32], ids=["bf16 linear", "fp32 adapter"])
+@pytest.mark.parametrize("input_grad", [True, False], ids=["input grad", "weight grad alone"])
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+def test_a_weight_gradient_takes_the_very_input_the_layer_read(
+    kernel_backend, autograd, where, linear_dtype, input_grad, offset, monkeypatch
+):
+    """A bf16 norm shares its z with a linear behind a dropout, the layer's own (LoRA's, folded) or one before it
+    (BERT's, of the norm's output): the weight gradient is ``grad^T @`` what the layer read, bit for bit (its weight
+    the identity, its output is what it read). The input rebuilt from z was the norm's affine in bf16 arithmetic
+    (two roundings where the norm rounds once) and, for fp32 adapters, never rounded to the norm's bf16 output; a
+    dropout before the layer had its mask taken in fp32 where the forward took it in bf16."""
+    if autograd == "cpp" and kernel_backend.name != "cpp":
+        pytest.skip("the C++ autograd functions run over the C++ kernels")
+    run_on(monkeypatch, kernel_backend)
+    if autograd == "python":
+        monkeypatch.setattr(kernels, "autograd_in_cpp", lambda x: False)
+    dim, p, device = 64, 0.2, kernel_backend.device
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 33, dim, generator=generator).bfloat16().to(device).requires_grad_()
+    gamma = (torch.rand(dim, generator=generator) + 0.5).bfloat16().to(device).requires_grad_()  # z shared
+    beta = (torch.randn(dim, generator=generator) / 4).bfloat16().to(device).requires_grad_()
+    weight = torch.eye(dim, dtype=linear_dtype, device=device, requires_grad=True)
+    y, z = memory_sharing_norm(x, dim, 1e-5, True, gamma, beta, weight_offset=offset)
+    shared = (z, gamma, beta, offset)
+    if where == "folded":
+        x_in = y if input_grad else y.detach()
+        out = affine_linear(x_in, weight, None, linear_dtype, *shared, dropout=p)
+    else:
+        read, seed = dropout_and_seed(y, p)
+        x_in = read if input_grad else read.detach()
+        out = affine_linear(x_in, weight, None, linear_dtype, *shared, dropped=(p, seed))
+    grad = torch.randn(out.shape, generator=generator).to(device, linear_dtype)
+    (grad_weight,) = torch.autograd.grad(out, weight, grad)
+    read = out.detach().reshape(-1, dim)
+    assert (read == 0).any() and (read != 0).any()  # dropped, not all
+    assert torch.equal(grad_weight, grad.reshape(-1, dim).t() @ read)
 
 
 # -- the surgery: LoRA dropouts folded in, model dropouts seeded --------------------------------

@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 
 from lightning_lowmem import kernels
-from lightning_lowmem.kernels import library
+from lightning_lowmem.kernels import library, torch_ops
 from lightning_lowmem.ops.dropout import draw_seed, dropping
-from lightning_lowmem.ops.norm import affine_scale, affine_values
+from lightning_lowmem.ops.norm import affine_values
 
 
 def _weight_grad(
@@ -91,8 +91,9 @@ class AffineLinearFunction(torch.autograd.Function):
         if needs_x:
             grad_x = grad @ weight.to(dtype)
         if needs_w and ctx.applies and needs_x:  # the input the layer read and the gradient of it: one mask, one pass
-            scale, shift = _affine(ctx, gamma, beta)
-            read, grad_x = impl.dropout_input_and_grad(saved, scale, shift, dtype, grad_x, ctx.p, seed)
+            read, grad_x = impl.dropout_input_and_grad(
+                *_input_read(ctx, saved, gamma, beta), dtype, grad_x, ctx.p, seed
+            )
             grad_w = grad_2d.t() @ read.reshape(-1, read.shape[-1])
         elif needs_w and seed is not None:
             grad_w = grad_2d.t() @ _dropped_input(ctx, saved, gamma, beta, seed)
@@ -109,24 +110,36 @@ class AffineLinearFunction(torch.autograd.Function):
         return grad_x, None, grad_w, grad_b, None, None, None, None, None, None, None
 
 
-def _affine(ctx, gamma, beta) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """The affine that rebuilds the input from a shared ``z`` (scale, shift: ``dropout_input_and_grad``'s arguments,
-    in the compute dtype's accumulate dtype), or none."""
-    return affine_values(ctx.dtype, gamma, beta, ctx.offset) if ctx.shared else (None, None)
+def _norm_output(ctx, z: torch.Tensor, gamma, beta) -> torch.Tensor:
+    """The output ``y`` of the norm whose ``z`` the layer shares, rebuilt as the norm computed it: its affine in
+    the accumulate dtype, rounded once to ``z``'s dtype (``y``'s)."""
+    return torch_ops.affine(z, *affine_values(z.dtype, gamma, beta, ctx.offset))
+
+
+def _shares_affine(ctx, gamma, beta) -> bool:
+    return ctx.shared and (gamma is not None or beta is not None)
+
+
+def _input_read(ctx, saved: torch.Tensor, gamma, beta) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """``(x, scale, shift)``: what rebuilds the input a layer with a folded dropout read before its mask, ``x * scale
+    + shift`` in the accumulate dtype rounded once to the compute dtype (``dropout_input_and_grad``'s arguments;
+    neither: ``x``). From a shared ``z``: the norm's affine where the norm's output ``y`` is of the layer's dtype,
+    else ``y`` itself (a bfloat16 norm read by fp32 adapters: the affine rounded to fp32 alone is an input the
+    layer never read)."""
+    if not _shares_affine(ctx, gamma, beta):
+        return saved, None, None
+    if saved.dtype == ctx.dtype:
+        return saved, *affine_values(saved.dtype, gamma, beta, ctx.offset)
+    return _norm_output(ctx, saved, gamma, beta), None, None
 
 
 def _dropped_input(ctx, saved: torch.Tensor, gamma, beta, seed: torch.Tensor) -> torch.Tensor:
-    """The input the layer read in forward, ``dropout(x)`` as rows: ``x`` rebuilt from the saved tensor (from a
-    shared ``z``: ``(gamma + offset) * z + beta``, in the parameters' precision, rounded to ``ctx.dtype``), then
-    the forward's mask from its seed."""
-    x = saved
-    if ctx.shared and (gamma is not None or beta is not None):
-        scale = None if gamma is None else affine_scale(gamma, ctx.offset)
-        acc = torch.promote_types(ctx.dtype, (scale if scale is not None else beta).dtype)
-        x = saved.to(acc)
-        x = x * scale.to(acc) if scale is not None else x
-        x = x + beta.to(acc) if beta is not None else x
-    dropped = kernels.implementation(saved.device).dropout(x.to(ctx.dtype), ctx.p, seed)
+    """The input the layer read in forward, as rows: its input ``x`` rebuilt (from a shared ``z``: the norm's output)
+    and the mask of its seed taken where the forward took it: the layer's own in the layer's dtype, a dropout
+    before it (a seeded dropout of the norm's output) in ``x``'s."""
+    x = _norm_output(ctx, saved, gamma, beta) if _shares_affine(ctx, gamma, beta) else saved
+    dropout = kernels.implementation(saved.device).dropout
+    dropped = dropout(x.to(ctx.dtype), ctx.p, seed) if ctx.applies else dropout(x, ctx.p, seed).to(ctx.dtype)
     return dropped.reshape(-1, dropped.shape[-1])
 
 
