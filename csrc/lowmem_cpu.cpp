@@ -505,9 +505,10 @@ acc_t lane_sum(Vectorized<acc_t> v) {
 
 // Asks for `bytes` from `next` (the same span of the row to come) into L2, from a pass over a row already in L1:
 // such a pass makes no request of its own, and the memory would idle through it. The norm forward's last pass
-// (op level, AVX2, in-process A/B: the forward at 768 columns 0.92-0.94x stock's time against 0.95-1.00x at load
-// 0.3, 0.85-0.89x against 0.96-1.04x at load 1; forward+backward not faster; the backward's passes gained nothing
-// from it and lost in bfloat16).
+// (op level, AVX2, in-process A/B at 768 columns: forward+backward with it / without it 0.95 / 1.00, 0.99 / 1.03
+// and 1.01 / 1.04 (frozen fp32), 0.96 / 0.99 and 0.98 / 0.99 (bf16), alone at load 0.6; the forward alone read
+// faster without it that day and slower the day before; the backward's passes gained nothing from it and lost in
+// bfloat16).
 template <typename X>
 void prefetch_span(const X* next, int64_t bytes) {
   for (int64_t offset = 0; offset < bytes; offset += 64) {
@@ -784,6 +785,10 @@ void norm_output_backward_rows(const U* grad, const U* y, const at::opmath_type<
 // one's 1.1-1.3x, and bf16 at 0.76-0.81x at every width (AMD EPYC, AVX512, interleaved with ATen's backward).
 // Under AVX2 bf16 rows of up to 4 KB go one by one too: by four, 768 columns ran the backward at 1.28x ATen's,
 // one by one 0.97x; 3072 columns by four 0.94x, one by one 1.16x (the same EPYC, ATEN_CPU_CAPABILITY=avx2).
+// Measured slower for fp32 768 columns read from memory (AVX2, against one by one at 1.03-1.21x ATen's): two rows
+// sharing the second pass's column loads 1.4-1.7x (op level), dx's partial term written in the first pass
+// 1.08-1.14x, the rows prefetched 128-512 floats ahead in the first pass 1.11-1.19x; streaming stores of dx
+// 1.05x from memory but 1.6-2.0x from cache.
 template <typename U, typename T>
 void norm_output_backward_kernel(const U* grad, const U* y, const at::opmath_type<U>* rstd,
                                  const at::opmath_type<U>* scale, const at::opmath_type<U>* shift,
