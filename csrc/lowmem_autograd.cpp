@@ -352,17 +352,6 @@ at::Tensor norm_output(const at::Tensor& z, const at::Tensor& gamma, const at::T
   return affine(z, scale, shift, z.scalar_type());
 }
 
-// ops.affine._input_read: (x, scale, shift) that rebuild the input a linear with a folded dropout read before its
-// mask: a shared z with the norm's affine where the norm's output is of the layer's dtype, else that output itself.
-std::tuple<at::Tensor, OptionalTensor, OptionalTensor> input_read(const at::Tensor& saved, bool shared,
-                                                                   const at::Tensor& gamma, const at::Tensor& beta,
-                                                                   double offset, at::ScalarType dtype) {
-  if (!shared) return {saved, std::nullopt, std::nullopt};
-  if (saved.scalar_type() != dtype) return {norm_output(saved, gamma, beta, offset), std::nullopt, std::nullopt};
-  const auto [scale, shift] = affine_values(saved.scalar_type(), gamma, beta, offset);
-  return {saved, scale, shift};
-}
-
 // The seed a function keeps for its backward: its values where they live on the host (no tensor saved), its tensor
 // otherwise (appended to `saved`).
 void keep_seed(AutogradContext* ctx, const PhiloxSeed& seed, std::vector<at::Tensor>& saved) {
@@ -437,9 +426,10 @@ struct AffineLinearFunction : public torch::autograd::Function<AffineLinearFunct
     at::Tensor grad_x;
     if (needs_x) grad_x = grad.matmul(in_dtype(weight, dtype));
     if (needs_w && applies && needs_x) {  // the input the layer read and the gradient of it: one mask, one pass
-      const auto [x, scale, shift] = input_read(inputs_saved, shared, gamma, beta, offset, dtype);
+      OptionalTensor scale, shift;  // the kernels round the rebuilt input to z's dtype, then to `dtype`
+      if (shared) std::tie(scale, shift) = affine_values(dtype, gamma, beta, offset);
       at::Tensor read;
-      std::tie(read, grad_x) = drop_input_and_grad(x, scale, shift, dtype, grad_x, p, seed);
+      std::tie(read, grad_x) = drop_input_and_grad(inputs_saved, scale, shift, dtype, grad_x, p, seed);
       out[2] = in_dtype(grad_2d.t().mm(read.reshape({-1, read.size(-1)})), weight.scalar_type());
     } else if (needs_w && p > 0.0) {  // ops.affine._dropped_input: the input the layer read, rebuilt, then the mask
       // the mask where the forward took it: the layer's own in its dtype, a dropout before it in x's

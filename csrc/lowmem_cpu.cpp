@@ -1124,7 +1124,8 @@ void dropout_kernel(const T* x, int64_t numel, PhiloxSeed seed, uint32_t thresho
   });
 }
 
-// dropout_input_and_grad: both outputs from one mask per Philox block, the input rebuilt by its affine on the way.
+// dropout_input_and_grad: both outputs from one mask per Philox block, the input rebuilt by its affine on the way
+// (rounded to x's dtype, as the norm rounded its output, then to T's).
 template <typename X, typename T>
 void dropout_pair_kernel(const X* x, const at::opmath_type<T>* scale, const at::opmath_type<T>* shift, int64_t dim,
                          const T* grad, int64_t numel, PhiloxSeed seed, uint32_t threshold,
@@ -1143,7 +1144,7 @@ void dropout_pair_kernel(const X* x, const at::opmath_type<T>* scale, const at::
         acc_t v = static_cast<acc_t>(x[at]);
         if (scale != nullptr) v = v * scale[at % dim];
         if (shift != nullptr) v = v + shift[at % dim];
-        const acc_t rebuilt = static_cast<acc_t>(static_cast<T>(v));
+        const acc_t rebuilt = static_cast<acc_t>(static_cast<T>(static_cast<acc_t>(static_cast<X>(v))));
         read[at] = static_cast<T>(keep ? rebuilt * kept_scale : acc_t(0));
         masked[at] = static_cast<T>(keep ? static_cast<acc_t>(grad[at]) * kept_scale : acc_t(0));
       }

@@ -497,7 +497,7 @@ LOWMEM_UNROLL
       acc_t v = static_cast<acc_t>(x[i]);
       if (scale != nullptr) v = v * scale[i % dim];
       if (shift != nullptr) v = v + shift[i % dim];
-      const acc_t rebuilt = static_cast<acc_t>(static_cast<T>(v));
+      const acc_t rebuilt = static_cast<acc_t>(static_cast<T>(static_cast<acc_t>(static_cast<X>(v))));  // x's, then T's
       read[i] = static_cast<T>(keep ? rebuilt * kept_scale : acc_t(0));
       masked[i] = static_cast<T>(keep ? static_cast<acc_t>(grad[i]) * kept_scale : acc_t(0));
     }

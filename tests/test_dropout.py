@@ -68,8 +68,9 @@ def test_a_seeds_first_counter_continues_its_keys_stream(kernel_backend):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_every_backend_gives_a_folded_dropouts_input_and_gradient_in_one_pass(kernel_backend, dtype, affine):
     """``dropout_input_and_grad``: the input a LoRA adapter read (rebuilt from a norm's ``z`` by its affine, rounded to
-    the compute dtype) and the gradient of what it read, one mask on both: the reference's (two ``dropout`` calls);
-    the affine to one rounding (a backend may fuse its multiply-add), the masks and the gradient exactly."""
+    ``z``'s bf16 as the norm rounded its output, then to the compute dtype) and the gradient of what it read, one mask
+    on both: the reference's (two ``dropout`` calls); the masks and the gradient exactly, the input but where one
+    rounding of the affine (a backend may fuse its multiply-add) moved a bf16 rounding: rare, and one bf16 ulp."""
     device = kernel_backend.device
     z = torch.randn(5, 37, 24, device=device).to(torch.bfloat16)  # a bf16 norm output, read by fp32 or half adapters
     grad = torch.randn(5, 37, 24, device=device).to(dtype)
@@ -81,8 +82,11 @@ def test_every_backend_gives_a_folded_dropouts_input_and_gradient_in_one_pass(ke
         assert read.dtype == masked.dtype == dtype and torch.equal((read != 0), (want_read != 0))
         torch.testing.assert_close(masked, want_masked, rtol=0, atol=0)
         assert torch.equal(masked != 0, want_read != 0)  # one mask on both
-        ulp = {torch.float32: 2e-7, torch.bfloat16: 8e-3, torch.float16: 1e-3}[dtype]
-        torch.testing.assert_close(read, want_read, rtol=ulp, atol=1e-6)
+        if affine == "none":
+            assert torch.equal(read, want_read)
+        else:
+            assert (read != want_read).double().mean() < 0.01
+            torch.testing.assert_close(read, want_read, rtol=8e-3, atol=1e-6)  # a bf16 ulp
 
 
 @pytest.mark.parametrize("p", [0.05, 0.1, 0.5])

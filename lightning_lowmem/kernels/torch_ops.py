@@ -502,7 +502,9 @@ def dropout_input_and_grad(
     """A folded dropout's backward in one pass: ``(dropout(rebuilt), dropout(grad))``, both with the mask of
     ``seed`` (:meth:`dropout`). ``rebuilt``, the input the layer read before its mask, is ``x * scale + shift``
     (``scale`` and ``shift`` per feature, the last dimension, in the accumulate dtype of ``dtype``, either None:
-    :func:`~lightning_lowmem.kernels.torch_ops.affine`) rounded to ``dtype``, or ``x`` in ``dtype`` with neither;
+    :func:`~lightning_lowmem.kernels.torch_ops.affine`) rounded to ``x``'s dtype, then to ``dtype`` (a norm's output
+    as the norm rounded it, read by a layer of another dtype: fp32 adapters on a bf16 model), or ``x`` in ``dtype``
+    with neither;
     ``grad`` (``dtype``, ``x``'s shape) is the gradient of what the layer read. What the affine and two ``dropout``
     calls give, with a fused multiply-add where a backend fuses it; one launch where they took three to five."""
     check_dropout(grad, p, seed)
@@ -511,8 +513,8 @@ def dropout_input_and_grad(
             f"dropout_input_and_grad: grad must be {dtype} of x's shape {tuple(x.shape)}, got {grad.dtype} "
             f"{tuple(grad.shape)}"
         )
-    rebuilt = x.to(dtype) if scale is None and shift is None else affine(x, scale, shift, dtype)
-    return dropout(rebuilt, p, seed), dropout(grad, p, seed)
+    rebuilt = x if scale is None and shift is None else affine(x, scale, shift)
+    return dropout(rebuilt.to(dtype), p, seed), dropout(grad, p, seed)
 
 
 def check_affine_weight_grad(

@@ -328,7 +328,8 @@ def _pair_at(x_ptr, scale_ptr, shift_ptr, grad_ptr, read_ptr, masked_ptr, i, num
         v = v * tl.load(scale_ptr + i % dim, mask=inside, other=1.0)
     if HAS_SHIFT:
         v = v + tl.load(shift_ptr + i % dim, mask=inside, other=0.0)
-    rebuilt = v.to(read_ptr.dtype.element_ty).to(tl.float32)  # the input the layer read, in its dtype
+    # the input the layer read: rounded to x's dtype (as the norm rounded its output), then to the layer's
+    rebuilt = v.to(x_ptr.dtype.element_ty).to(tl.float32).to(read_ptr.dtype.element_ty).to(tl.float32)
     tl.store(read_ptr + i, tl.where(keep, rebuilt * kept_scale, 0.0).to(read_ptr.dtype.element_ty), mask=inside)
     g = tl.load(grad_ptr + i, mask=inside, other=0.0).to(tl.float32)
     tl.store(masked_ptr + i, tl.where(keep, g * kept_scale, 0.0).to(masked_ptr.dtype.element_ty), mask=inside)

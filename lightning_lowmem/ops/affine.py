@@ -91,9 +91,8 @@ class AffineLinearFunction(torch.autograd.Function):
         if needs_x:
             grad_x = grad @ weight.to(dtype)
         if needs_w and ctx.applies and needs_x:  # the input the layer read and the gradient of it: one mask, one pass
-            read, grad_x = impl.dropout_input_and_grad(
-                *_input_read(ctx, saved, gamma, beta), dtype, grad_x, ctx.p, seed
-            )
+            scale, shift = _affine(ctx, gamma, beta)
+            read, grad_x = impl.dropout_input_and_grad(saved, scale, shift, dtype, grad_x, ctx.p, seed)
             grad_w = grad_2d.t() @ read.reshape(-1, read.shape[-1])
         elif needs_w and seed is not None:
             grad_w = grad_2d.t() @ _dropped_input(ctx, saved, gamma, beta, seed)
@@ -120,17 +119,11 @@ def _shares_affine(ctx, gamma, beta) -> bool:
     return ctx.shared and (gamma is not None or beta is not None)
 
 
-def _input_read(ctx, saved: torch.Tensor, gamma, beta) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """``(x, scale, shift)``: what rebuilds the input a layer with a folded dropout read before its mask, ``x * scale
-    + shift`` in the accumulate dtype rounded once to the compute dtype (``dropout_input_and_grad``'s arguments;
-    neither: ``x``). From a shared ``z``: the norm's affine where the norm's output ``y`` is of the layer's dtype,
-    else ``y`` itself (a bfloat16 norm read by fp32 adapters: the affine rounded to fp32 alone is an input the
-    layer never read)."""
-    if not _shares_affine(ctx, gamma, beta):
-        return saved, None, None
-    if saved.dtype == ctx.dtype:
-        return saved, *affine_values(saved.dtype, gamma, beta, ctx.offset)
-    return _norm_output(ctx, saved, gamma, beta), None, None
+def _affine(ctx, gamma, beta) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The affine that rebuilds the input from a shared ``z`` (scale, shift: ``dropout_input_and_grad``'s arguments,
+    in the compute dtype's accumulate dtype; the kernels round the result to ``z``'s dtype as the norm rounded its
+    output, then to the compute dtype), or none."""
+    return affine_values(ctx.dtype, gamma, beta, ctx.offset) if ctx.shared else (None, None)
 
 
 def _dropped_input(ctx, saved: torch.Tensor, gamma, beta, seed: torch.Tensor) -> torch.Tensor:
