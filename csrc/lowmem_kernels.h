@@ -115,8 +115,7 @@ void dropout(const at::Tensor& x, double p, const PhiloxSeed& seed, at::Tensor& 
 // A folded dropout's backward in one pass, one mask (of `seed`) on both: read = dropout of x * scale + shift, computed
 // in read's accumulate type and rounded to x's dtype, then read's (a norm's output as the norm rounded it; x as it is
 // without scale and shift; each undefined or `dim` values of that type, per element of the last dimension), masked =
-// dropout of grad. All contiguous; read, grad and
-// masked one dtype, x any floating dtype.
+// dropout of grad. All contiguous; read, grad and masked one dtype, x any floating dtype.
 void dropout_input_and_grad(const at::Tensor& x, const at::Tensor& scale, const at::Tensor& shift, const at::Tensor& grad,
                             double p, const PhiloxSeed& seed, at::Tensor& read, at::Tensor& masked);
 

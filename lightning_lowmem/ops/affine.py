@@ -115,10 +115,6 @@ def _norm_output(ctx, z: torch.Tensor, gamma, beta) -> torch.Tensor:
     return torch_ops.affine(z, *affine_values(z.dtype, gamma, beta, ctx.offset))
 
 
-def _shares_affine(ctx, gamma, beta) -> bool:
-    return ctx.shared and (gamma is not None or beta is not None)
-
-
 def _affine(ctx, gamma, beta) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """The affine that rebuilds the input from a shared ``z`` (scale, shift: ``dropout_input_and_grad``'s arguments,
     in the compute dtype's accumulate dtype; the kernels round the result to ``z``'s dtype as the norm rounded its
@@ -130,7 +126,8 @@ def _dropped_input(ctx, saved: torch.Tensor, gamma, beta, seed: torch.Tensor) ->
     """The input the layer read in forward, as rows: its input ``x`` rebuilt (from a shared ``z``: the norm's output)
     and the mask of its seed taken where the forward took it: the layer's own in the layer's dtype, a dropout
     before it (a seeded dropout of the norm's output) in ``x``'s."""
-    x = _norm_output(ctx, saved, gamma, beta) if _shares_affine(ctx, gamma, beta) else saved
+    shares_affine = ctx.shared and (gamma is not None or beta is not None)
+    x = _norm_output(ctx, saved, gamma, beta) if shares_affine else saved
     dropout = kernels.implementation(saved.device).dropout
     dropped = dropout(x.to(ctx.dtype), ctx.p, seed) if ctx.applies else dropout(x, ctx.p, seed).to(ctx.dtype)
     return dropped.reshape(-1, dropped.shape[-1])
