@@ -65,6 +65,15 @@ at::Tensor affine_scale(const at::Tensor& gamma, double offset) {
   return offset != 0.0 ? gamma.to(c10::promoteTypes(gamma.scalar_type(), at::kFloat)) + offset : gamma;
 }
 
+std::tuple<at::Tensor, at::Tensor> norm_forward(const at::Tensor& x, int64_t dim, double eps, bool center,
+                                                at::ScalarType out_dtype) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("lowmem::norm_forward", "")
+                       .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, int64_t, double, bool,
+                                                                 at::ScalarType)>();
+  return op.call(x, dim, eps, center, out_dtype);
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_affine_forward(const at::Tensor& x, int64_t dim, double eps,
                                                                    bool center, at::ScalarType out_dtype,
                                                                    const OptionalTensor& scale,
@@ -175,8 +184,9 @@ at::Tensor affine_weight_grad(const at::Tensor& product, const OptionalTensor& t
   return op.call(product, total, scale, shift, dtype);
 }
 
-// lightning_lowmem.ops.norm.MemorySharingNormFunction with an affine: returns (y, z), z without a gradient, or
-// (y) where it saves y, and z at its exact columns (at most max_exact_columns of them), instead.
+// lightning_lowmem.ops.norm.MemorySharingNormFunction: with an affine returns (y, z), z without a gradient, or
+// (y) where it saves y, and z at its exact columns (at most max_exact_columns of them), instead; without one (z),
+// its output, saved as it is.
 struct MemorySharingNormFunction : public torch::autograd::Function<MemorySharingNormFunction> {
   static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const OptionalTensor& gamma,
                                const OptionalTensor& beta, int64_t max_exact_columns, int64_t dim, double eps,
@@ -199,8 +209,13 @@ struct MemorySharingNormFunction : public torch::autograd::Function<MemorySharin
         return {y};
       }
     }
-    auto [scale, shift] = affine_values(x.scalar_type(), value_or_undefined(gamma), value_or_undefined(beta), offset);
     ctx->saved_data["needs"] = std::vector<bool>{x.requires_grad(), requires_grad(gamma), requires_grad(beta)};
+    if (!gamma.has_value() && !beta.has_value()) {
+      auto [z, rstd] = norm_forward(x, dim, eps, center, out_dtype);
+      ctx->save_for_backward({z, rstd, at::Tensor(), at::Tensor()});
+      return {z};
+    }
+    auto [scale, shift] = affine_values(x.scalar_type(), value_or_undefined(gamma), value_or_undefined(beta), offset);
     auto [y, z, rstd] = norm_affine_forward(x, dim, eps, center, out_dtype, scale, shift);
     // an input that needs no gradient (the first norm on frozen embeddings) keeps no rstd
     ctx->save_for_backward({z, x.requires_grad() ? rstd : at::Tensor(), value_or_undefined(gamma),
@@ -253,7 +268,6 @@ std::tuple<at::Tensor, at::Tensor> ms_norm(const at::Tensor& x, const OptionalTe
                                            const OptionalTensor& beta, int64_t max_exact_columns, int64_t dim,
                                            double eps, bool center, at::ScalarType out_dtype, double offset,
                                            c10::string_view name) {
-  TORCH_CHECK_VALUE(gamma.has_value() || beta.has_value(), name, ": lowmem::ms_norm needs a weight or a bias");
   check_devices(name, x, {{"weight", &gamma}, {"bias", &beta}});
   variable_list out =
       MemorySharingNormFunction::apply(x, gamma, beta, max_exact_columns, dim, eps, center, out_dtype, offset, name);

@@ -141,6 +141,26 @@ def test_norm_linears_and_activation_match(
         assert [t.shape for t in saved_c if t.shape == (21, 1)] == [(21, 1)]
 
 
+@pytest.mark.parametrize("center", [True, False], ids=["layer_norm", "rms_norm"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, "autocast"])
+def test_a_norm_without_an_affine_matches_and_saves_its_output(center, dtype, monkeypatch, recorder, device):
+    """A norm with no weight or bias (OLMo's) returns ``z`` and saves it: the very tensor returned, by pointer."""
+    x = torch.randn(3, 7, 32, dtype=torch.bfloat16 if dtype == torch.bfloat16 else torch.float32)
+
+    def norm(x):
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=dtype == "autocast"):
+            y, z = memory_sharing_norm(x, 32, 1e-5, center)
+        assert y is z
+        return y
+
+    runs = {path: run(path, monkeypatch, recorder, norm, x.requires_grad_()) for path in PATHS}
+    assert_same_runs(runs["cpp"], runs["python"])
+    assert "torch::autograd::CppNode<lowmem::(anonymous namespace)::MemorySharingNormFunction>" in runs["cpp"][2]
+    out, _, _, rec = runs["cpp"]
+    assert [(t.dtype, t.shape) for t in rec.saved] == [(out.dtype, out.shape), (torch.float32, (21,))]
+    assert rec.saved[0].data_ptr() == out.data_ptr()
+
+
 @pytest.mark.parametrize("frozen_norm", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, "autocast"])
 def test_dropouts_match_on_the_seeds_the_cpp_functions_draw(frozen_norm, dtype, monkeypatch, recorder, device):
@@ -240,6 +260,7 @@ def test_double_backward_is_refused_alike(path, monkeypatch):
     weight = torch.randn(16, requires_grad=True)
     for out, name in (
         (memory_sharing_norm(x, 16, 1e-5, True, weight, name="ms_layer_norm")[0], "ms_layer_norm"),
+        (memory_sharing_norm(x, 16, 1e-5, False, name="ms_rms_norm")[0], "ms_rms_norm"),  # no affine
         (step_activation(x, "gelu"), "step_activation"),
         (gated_activation(x, x * 2, "silu", "gate"), "gated_activation"),
     ):

@@ -113,6 +113,7 @@ def autograd_samples(x: torch.Tensor) -> dict[str, list[tuple]]:
         "ms_norm": [
             (x, weight, bias, -1, 40, 1e-5, True, dtype, 0.0, "ms_layer_norm"),
             (x, weight, None, -1, 40, 1e-6, False, torch.float32, 1.0, "ms_rms_norm"),
+            (x, None, None, -1, 40, 1e-5, True, dtype, 0.0, "ms_layer_norm"),  # no affine: z, its output
             (x, frozen, frozen_bias, 1, 40, 1e-5, True, dtype, 0.0, "ms_layer_norm"),  # saves y
             (x, frozen, frozen_bias, 0, 40, 1e-5, True, dtype, 0.0, "ms_layer_norm"),  # one column too many: z
         ],

@@ -228,8 +228,9 @@ def memory_sharing_norm(
     ):
         max_exact = max_exact_columns(x, weight, bias, dim)
         args = (x, weight, bias, max_exact, dim, eps, center, out_dtype, weight_offset, name)
-        if affine and kernels.autograd_in_cpp(x):
-            return library.OPS.ms_norm.default(*args)
+        if kernels.autograd_in_cpp(x):
+            y, z = library.OPS.ms_norm.default(*args)
+            return (y, z) if affine else (y, y)
         out = MemorySharingNormFunction.apply(*args)
         return out if affine else (out, out)
     impl = kernels.implementation(x.device)
