@@ -48,22 +48,23 @@ MAX_LOAD = 0.5  # machine-wide: above it, other processes share the cores and th
 # (its memory bandwidth varies), 100% and more while another process computes
 MAX_SPREAD = 0.30
 _timed = False  # whether this process took timings (a section of memory numbers needs no quiet machine)
-_HEAP_MMAP_THRESHOLD = 32 << 20  # glibc's largest allowed
 
 
 def keep_freed_heap() -> bool:
-    """Make glibc keep freed memory in its heap (no trimming) and serve blocks below 32 MiB from it (no mmap),
-    as PyTorch's caching GPU allocator does; False where the C library is not glibc. By default glibc hands
-    freed memory back to the kernel whenever the heap's free top grows past a threshold it adjusts as it goes,
-    and the next allocation takes a page fault per 4 KiB page: 1,150 (0.3-1 ms) for a 4.7 MB tensor. Which
-    timed function pays depends on the order of the allocations before it, not on the function: here the
-    low-memory frozen norm took them in the median round in one process and stock LayerNorm in another."""
+    """Make glibc keep freed memory in its heap (no trimming) and serve every block from it (no mmap), as PyTorch's
+    caching GPU allocator does; False where the C library is not glibc. By default glibc hands freed memory back to
+    the kernel whenever the heap's free top grows past a threshold it adjusts as it goes, and the next allocation
+    takes a page fault per 4 KiB page: 1,150 (0.3-1 ms) for a 4.7 MB tensor. Which timed function pays depends on
+    the order of the allocations before it, not on the function: here the low-memory frozen norm took them in the
+    median round in one process and stock LayerNorm in another. An mmap threshold alone (32 MiB, glibc's largest)
+    left a block of 32 MiB or more mapped afresh at each call, or served from freed heap, by what earlier rows had
+    freed: MS-LN's bfloat16 2x2048x4096 row (32 MiB tensors) read 0.91-1.42 by the process."""
     try:
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):
         return False
-    m_trim_threshold, m_mmap_threshold = -1, -3  # malloc.h
-    return bool(mallopt(m_trim_threshold, 2**31 - 1)) and bool(mallopt(m_mmap_threshold, _HEAP_MMAP_THRESHOLD))
+    m_trim_threshold, m_mmap_max = -1, -4  # malloc.h
+    return bool(mallopt(m_trim_threshold, 2**31 - 1)) and bool(mallopt(m_mmap_max, 0))
 
 
 _steady_heap: bool | None = None  # whether keep_freed_heap took effect, once this process times something
@@ -201,7 +202,7 @@ def machine(spread: float | None = None) -> str:
     if spread is not None:
         line += f", load {LOAD_AT_START:.2f} at start, reference spread {spread:.1%}"
         if _steady_heap:
-            line += f", glibc heap kept (no trimming, no mmap below {_HEAP_MMAP_THRESHOLD >> 20} MiB)"
+            line += ", glibc heap kept (no trimming, no mmap)"
     return line
 
 

@@ -44,12 +44,15 @@ GPU_SIDE = {"LIGHTNING_LOWMEM_BACKEND": "triton", "TRITON_INTERPRET": "1"}
 the CUDA extension."""
 SEED_DRAWS = ("aten::randint", "aten::random_")
 NO_KERNEL = frozenset(
-    "aten::" + name
-    for name in (
-        "view _unsafe_view reshape _reshape_alias view_as t transpose permute select slice narrow expand expand_as "
-        "as_strided as_strided_ unsqueeze squeeze detach alias unbind split chunk empty empty_like empty_strided "
-        "new_empty resize_ to contiguous lift_fresh result_type promote_types resolve_conj resolve_neg dropout flatten"
-    ).split()
+    f"aten::{name}"
+    for group in (
+        ("view", "_unsafe_view", "reshape", "_reshape_alias", "view_as", "t", "transpose", "permute", "select"),
+        ("slice", "narrow", "expand", "expand_as", "as_strided", "as_strided_", "unsqueeze", "squeeze", "detach"),
+        ("alias", "unbind", "split", "chunk", "empty", "empty_like", "empty_strided", "new_empty", "resize_", "to"),
+        ("contiguous", "lift_fresh", "result_type", "promote_types", "resolve_conj", "resolve_neg", "dropout"),
+        ("flatten",),
+    )
+    for name in group
 )
 """Operator calls that launch nothing where no other call runs inside them: views, allocations, a conversion or a
 dropout that returns its input."""
@@ -185,7 +188,9 @@ def main() -> None:
     for name, build in models(args.smoke).items():
         (stock, stock_kernels), (converted, converted_kernels) = count(build)
         _, _, gpu_converted, gpu_kernels = map(Counter, gpu[name])  # stock's, then converted's: calls, kernel calls
-        totals = [sum(c.values()) for c in (stock, converted, gpu_converted, stock_kernels, converted_kernels, gpu_kernels)]
+        totals = [
+            sum(c.values()) for c in (stock, converted, gpu_converted, stock_kernels, converted_kernels, gpu_kernels)
+        ]
         draws = [sum(c[d] for d in SEED_DRAWS) for c in (stock, converted, gpu_converted)]
         calls = [f"{totals[0]}", *(f"{t} ({t / totals[0]:.2f}x)" for t in totals[1:3])]
         kernel_calls = [f"{totals[3]}", *(f"{t} ({t / totals[3]:.2f}x)" for t in totals[4:6])]

@@ -168,7 +168,10 @@ def convnet_run(variant: str, seed: int, data, args) -> tuple[float, float | Non
     error = None
     if variant != "stock":
         forced = variant.endswith("forced")
-        limit, verify.APPROXIMATION_LIMIT = verify.APPROXIMATION_LIMIT, math.inf if forced else verify.APPROXIMATION_LIMIT
+        limit, verify.APPROXIMATION_LIMIT = (
+            verify.APPROXIMATION_LIMIT,
+            math.inf if forced else verify.APPROXIMATION_LIMIT,
+        )
         try:  # forced: past the limit the default rolls the activations back; here they stay, to measure them
             report = apply_lowmem(model, example_input=train_x[:8])
         finally:
@@ -210,7 +213,9 @@ def convnet_main(args) -> None:
     rows = []
     for variant in ("stock", "lowmem (default)", "lowmem, 2-bit activations forced"):
         if variant == "lowmem (default)" and exact_only(data):
-            rows.append([variant, "= stock", "", "no k-bit activation stays (only exact changes): trains as stock", "-"])
+            rows.append(
+                [variant, "= stock", "", "no k-bit activation stays (only exact changes): trains as stock", "-"]
+            )
             print(rows[-1], flush=True)
             continue
         runs = [convnet_run(variant, seed, data, args) for seed in range(args.seeds)]

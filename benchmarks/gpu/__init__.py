@@ -118,8 +118,19 @@ def tests(run: Run, emit: Callable[[str], None]) -> str:
     """``pytest -m gpu``, :data:`FIRST_TESTS` first, its output in the stage's file as it comes, a test's name
     before it runs (a test that kills the process is named); at most ``run.test_seconds``."""
     files = [FIRST_TESTS, *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_*.py"))]
-    command = [sys.executable, "-m", "pytest", "-v", "--tb=short", "-rfE", "-m", "gpu", "-p", "no:cacheprovider",
-               *dict.fromkeys(files)]  # fmt: skip (pytest keeps the order of files named, not of a folder's)
+    command = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-v",
+        "--tb=short",
+        "-rfE",
+        "-m",
+        "gpu",
+        "-p",
+        "no:cacheprovider",
+        *dict.fromkeys(files),
+    ]  # fmt: skip (pytest keeps the order of files named, not of a folder's)
     if run.smoke:  # which tests would run, without running them
         command.append("--collect-only")
     process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

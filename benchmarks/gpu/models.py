@@ -233,13 +233,19 @@ def measure_graphs(device: torch.device, settings: dict[str, Setting], rounds: i
             graphs = {"stock": graphed_step(stock, x), "converted": graphed_step(converted, x)}
             times = interleaved_times(graphs, repeats=rounds, warmup=2, cuda_events=True)
             ratio, low, high = paired_ratio(times["converted"], times["stock"])
-            rows.append([name, f"{1e3 * statistics.median(times['stock']):.1f} ms", f"{ratio:.3f} ({low:.3f}-{high:.3f})"])
+            rows.append(
+                [name, f"{1e3 * statistics.median(times['stock']):.1f} ms", f"{ratio:.3f} ({low:.3f}-{high:.3f})"]
+            )
             del stock, converted, graphs
         except Exception as err:  # noqa: BLE001 - written in its row: the next model is still tried
             rows.append([name, f"capture failed: {type(err).__name__}: {str(err).splitlines()[0][:200]}", ""])
         _release(device)
         print(" | ".join(rows[-1]), flush=True)
-    header = ["model (as in the models stage)", "stock step, CUDA graphs (median)", f"converted / stock ({rounds} rounds)"]
+    header = [
+        "model (as in the models stage)",
+        "stock step, CUDA graphs (median)",
+        f"converted / stock ({rounds} rounds)",
+    ]
     return markdown_table(header, rows)
 
 
