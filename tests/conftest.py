@@ -142,6 +142,14 @@ def kernel_backend(request) -> KernelBackend:
     return _load_backend(*request.param)
 
 
+def run_on(monkeypatch: pytest.MonkeyPatch, backend: KernelBackend) -> None:
+    """The ops run ``backend`` (a ``kernel_backend``) from now on."""
+    from lightning_lowmem import kernels
+
+    monkeypatch.setenv(kernels.ENV_VAR, backend.name)
+    assert kernels.backend(backend.device) == backend.name
+
+
 def run_ddp_script(tmp_path, template: str, **fields: Any) -> Any:
     """Run a Lightning 2-process DDP script in a fresh interpreter and return the JSON it wrote to ``{out}``.
 

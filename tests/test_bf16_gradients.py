@@ -13,6 +13,7 @@ import copy
 
 import pytest
 import torch
+from conftest import run_on
 from torch import nn
 
 from benchmarks import zoo
@@ -120,8 +121,7 @@ def test_with_lora_dropout_on_a_gpus_path_too(kernel_backend, recipe, monkeypatc
     the backward did not take reads 70-90x stock's error (stock on other seeds). What this bound cannot see, an input
     rebuilt a rounding away from the one read (1.7e-3 of the gradient, 43996e7), the op's own test checks bit for
     bit (test_dropout.py: test_a_weight_gradient_takes_the_very_input_the_layer_read)."""
-    monkeypatch.setenv(kernels.ENV_VAR, kernel_backend.name)
-    assert kernels.backend(kernel_backend.device) == kernel_backend.name
+    run_on(monkeypatch, kernel_backend)
     adapters_fp32, autocast = RECIPES[recipe]
     ids = torch.randint(0, zoo.VOCAB, (2, 32), generator=torch.Generator().manual_seed(0))
     stock = lora_llama(adapters_fp32, lora_dropout=0.05, num_hidden_layers=1)

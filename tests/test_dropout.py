@@ -9,7 +9,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import run_ddp_script
+from conftest import run_ddp_script, run_on
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, TensorDataset
@@ -24,12 +24,6 @@ from lightning_lowmem.ops.dropout import dropout_and_seed, seeded_dropout
 from lightning_lowmem.ops.norm import memory_sharing_norm
 
 CPU = torch.device("cpu")
-
-
-def run_on(monkeypatch, backend) -> None:
-    """The ops run ``backend`` (a conftest ``kernel_backend``) from now on."""
-    monkeypatch.setenv(kernels.ENV_VAR, backend.name)
-    assert kernels.backend(backend.device) == backend.name
 
 
 # -- the kernels ----------------------------------------------------------------------------
